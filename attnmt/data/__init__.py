@@ -1,0 +1,1 @@
+"""Data: dictionaries, subword models, memory-mapped indexed datasets, pair datasets and batching."""

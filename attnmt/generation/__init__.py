@@ -1,0 +1,1 @@
+"""Generation: beam search, greedy, sampling, and the batched generator."""

@@ -1,0 +1,1 @@
+"""Models and their named architectures."""

@@ -1,0 +1,176 @@
+"""One small registry for everything pluggable.
+
+Built-ins and plugins register the same way::
+
+    from attnmt.registry import register
+
+    @register("criterion", "my_loss", config=MyLossConfig)
+    class MyLoss: ...
+
+Named architectures are presets over a registered model (as fairseq's ``--arch``)::
+
+    @register_arch("transformer_big", model="transformer")
+    def transformer_big() -> dict:
+        "Vaswani et al. 2017, Table 3 'big'."
+        return dict(encoder_embed_dim=1024, ...)
+
+Third-party packages expose a module through the entry-point group ``attnmt.plugins``;
+``--user-dir PATH`` imports a local module or package. Importing it runs its decorators.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import sys
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any, Callable
+
+from attnmt.errors import UserError
+
+KINDS = ("model", "arch", "task", "criterion", "optimizer", "lr_scheduler", "tokenizer", "bpe")
+
+
+@dataclass
+class Entry:
+    kind: str
+    name: str
+    obj: Any
+    config: type | None
+    description: str
+    model: str | None = None  # for kind == "arch": the model the preset applies to
+
+
+@dataclass
+class Registry:
+    kind: str
+    entries: dict[str, Entry] = field(default_factory=dict)
+
+    def add(self, entry: Entry) -> None:
+        if entry.name in self.entries and self.entries[entry.name].obj is not entry.obj:
+            raise ValueError(f"{self.kind} '{entry.name}' is already registered by {self.entries[entry.name].obj!r}")
+        if entry.config is not None and not dataclasses.is_dataclass(entry.config):
+            raise TypeError(f"{self.kind} '{entry.name}': config must be a dataclass, got {entry.config!r}")
+        self.entries[entry.name] = entry
+
+    def get(self, name: str) -> Entry:
+        if name not in self.entries:
+            raise UserError(
+                f"unknown {self.kind.replace('_', ' ')} '{name}'; valid choices: {', '.join(self.choices()) or '(none registered)'}"
+            )
+        return self.entries[name]
+
+    def choices(self) -> list[str]:
+        return sorted(self.entries)
+
+
+REGISTRIES: dict[str, Registry] = {k: Registry(k) for k in KINDS}
+
+
+def _first_line(obj: Any) -> str:
+    doc = getattr(obj, "__doc__", None) or ""
+    doc = doc.strip()
+    return doc.splitlines()[0].strip() if doc else ""
+
+
+def register(kind: str, name: str, config: type | None = None, description: str | None = None) -> Callable:
+    """Decorator: register ``obj`` (a class or a builder function) under ``kind``/``name``."""
+    if kind not in REGISTRIES:
+        raise ValueError(f"unknown registry kind '{kind}'; valid: {', '.join(KINDS)}")
+
+    def deco(obj):
+        REGISTRIES[kind].add(Entry(kind, name, obj, config, description or _first_line(obj)))
+        return obj
+
+    return deco
+
+
+def register_arch(name: str, model: str, description: str | None = None) -> Callable:
+    """Decorator for a named architecture: a function returning field overrides for ``model``'s config."""
+
+    def deco(fn):
+        REGISTRIES["arch"].add(Entry("arch", name, fn, None, description or _first_line(fn), model=model))
+        return fn
+
+    return deco
+
+
+def get(kind: str, name: str) -> Entry:
+    return REGISTRIES[kind].get(name)
+
+
+def choices(kind: str) -> list[str]:
+    return REGISTRIES[kind].choices()
+
+
+def arch_config(arch: str, overrides: dict[str, Any] | None = None):
+    """The model config for ``--arch``: the model's defaults, then the preset, then ``overrides``."""
+    from attnmt.config import make_config
+
+    a = get("arch", arch)
+    model = get("model", a.model)
+    preset = a.obj()
+    return make_config(model.config, {**preset, **(overrides or {})}, what=f"--arch {arch}")
+
+
+# ----------------------------------------------------------------------------------------- plugins
+
+_loaded_builtins = False
+_loaded_user_dirs: set[str] = set()
+
+
+def load_builtins() -> None:
+    """Import the modules whose decorators register the built-in components."""
+    global _loaded_builtins
+    if _loaded_builtins:
+        return
+    _loaded_builtins = True
+    import attnmt.builtins  # noqa: F401
+
+
+def load_entry_point_plugins() -> None:
+    for ep in entry_points(group="attnmt.plugins"):
+        try:
+            ep.load()
+        except Exception as e:  # a broken third-party plugin must not hide behind a traceback
+            raise UserError(f"plugin '{ep.name}' ({ep.value}) failed to load: {type(e).__name__}: {e}; "
+                            f"fix or uninstall the package that provides it") from e
+
+
+def import_user_dir(path: str | Path) -> None:
+    """Import a local plugin: a ``.py`` file or a package directory (fairseq's ``--user-dir``)."""
+    p = Path(path).expanduser().resolve()
+    key = str(p)
+    if key in _loaded_user_dirs:
+        return
+    if not p.exists():
+        raise UserError(f"--user-dir {path}: no such file or directory; pass a plugin .py file or package directory")
+    if p.is_dir():
+        init = p / "__init__.py"
+        if not init.exists():
+            raise UserError(f"--user-dir {path}: directory has no __init__.py; make it a package or pass a .py file")
+        modname, location = p.name, init
+        search = [str(p)]
+    else:
+        modname, location, search = p.stem, p, None
+    spec = importlib.util.spec_from_file_location(modname, location, submodule_search_locations=search)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[modname] = module
+    try:
+        spec.loader.exec_module(module)
+    except UserError:
+        raise
+    except Exception as e:
+        del sys.modules[modname]
+        raise UserError(f"--user-dir {path}: importing the plugin failed: {type(e).__name__}: {e}") from e
+    _loaded_user_dirs.add(key)
+
+
+def load_plugins(user_dirs: list[str] | tuple[str, ...] = ()) -> None:
+    load_builtins()
+    load_entry_point_plugins()
+    for d in user_dirs:
+        import_user_dir(d)

@@ -1,0 +1,1 @@
+"""Training: the update step, the loop, checkpoints, distributed helpers."""

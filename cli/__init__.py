@@ -1,0 +1,85 @@
+"""The ``attnmt`` command line: a click group whose subcommands are thin (options -> config -> library call).
+
+Plugins are loaded before the commands are built, so that a plugin's components and their options appear in
+``--help`` and in ``attnmt list``: built-ins, then the ``attnmt.plugins`` entry points, then ``--user-dir``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import click
+
+from attnmt.errors import UserError
+
+# subcommand name -> module (inside attnmt.cli) that defines ``command``
+COMMANDS = {
+    "list": "list_cmd",
+}
+
+
+def _user_dirs(argv: list[str]) -> list[str]:
+    dirs = []
+    for i, a in enumerate(argv):
+        if a == "--user-dir" and i + 1 < len(argv):
+            dirs.append(argv[i + 1])
+        elif a.startswith("--user-dir="):
+            dirs.append(a.split("=", 1)[1])
+    env = os.environ.get("ATTNMT_USER_DIR")
+    if env:
+        dirs.extend(p for p in env.split(os.pathsep) if p)
+    return dirs
+
+
+class LazyGroup(click.Group):
+    """Imports a subcommand's module only when that subcommand runs (keeps ``attnmt score`` fast)."""
+
+    def list_commands(self, ctx):
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx, name):
+        if name not in COMMANDS:
+            return None
+        module = importlib.import_module(f"attnmt.cli.{COMMANDS[name]}")
+        return module.command
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.option("--user-dir", multiple=True, metavar="PATH",
+              help="Import a local plugin module or package (repeatable); its registrations become available.")
+@click.version_option(package_name="attnmt")
+def cli(user_dir):
+    """attnmt: neural machine translation with the Transformer of Vaswani et al. (2017).
+
+    \b
+    Pipeline:  preprocess -> train -> average-checkpoints -> generate | score
+    """
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        from attnmt.registry import load_plugins
+
+        load_plugins(_user_dirs(argv))
+        cli.main(args=argv, prog_name="attnmt", standalone_mode=False)
+    except UserError as e:
+        click.echo(f"attnmt: error: {e}", err=True)
+        sys.exit(1)
+    except click.exceptions.Abort:
+        click.echo("attnmt: aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        click.echo("attnmt: interrupted", err=True)
+        sys.exit(130)
+    except BrokenPipeError:
+        # e.g. `attnmt generate ... | head`: not an error of ours
+        sys.stderr.close()
+        sys.exit(0)

@@ -1,0 +1,5 @@
+"""``python -m attnmt.cli ...`` (what torchrun launches)."""
+
+from attnmt.cli import main
+
+main()
