@@ -2,3 +2,4 @@
 
 # Keep this list in sync with the modules that call attnmt.registry.register / register_arch.
 import attnmt.registry  # noqa: F401
+import attnmt.models.transformer  # noqa: F401

@@ -1,0 +1,597 @@
+"""The Transformer of "Attention Is All You Need" (Vaswani et al., 2017), in one file.
+
+Read top to bottom, the file follows the paper:
+
+* 3.5   positional encoding        -> ``sinusoid_table``, ``SinusoidalPositions``, ``LearnedPositions``
+* 3.4   embeddings (x sqrt(d_model), shared with the pre-softmax projection) -> ``InputEmbedding``
+* 3.2.1 scaled dot-product attention, 3.2.2 multi-head attention -> ``MultiHeadAttention``
+* 3.3   position-wise feed-forward network -> ``FeedForward``
+* 5.4   residual dropout around every sub-layer -> ``residual``
+* 3.1   encoder and decoder stacks  -> ``EncoderLayer``, ``DecoderLayer``, ``TransformerEncoder``, ``TransformerDecoder``
+* 3.2.3 uses of attention: padding masks for encoder self-attention and encoder-decoder attention, a causal
+  mask for decoder self-attention -> ``key_padding_mask`` and ``is_causal`` in the decoder
+* the model, its config, its named architectures (Table 3 rows) -> ``TransformerModel``, ``TransformerConfig``
+
+Label smoothing (5.4) belongs to the training criterion, not to the model.
+
+Conventions. Tensors are batch-first: B sentences, S source tokens, T target tokens, D model width, H heads,
+Dh = D / H, V vocabulary. Batches are right-padded with ``pad_idx``; a token's position is its index among the
+real tokens of its sentence, so a sentence's outputs do not depend on how much padding its batch needed.
+Residual blocks are post-norm as in the paper, ``LayerNorm(x + Dropout(Sublayer(x)))``; pre-norm
+(``x + Dropout(Sublayer(LayerNorm(x)))`` plus a final LayerNorm per stack) is an option.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from attnmt.errors import UserError
+from attnmt.registry import register, register_arch
+
+# ------------------------------------------------------------------------------------------------ config
+
+
+@dataclass
+class TransformerConfig:
+    """Hyper-parameters of the Transformer; every field is a command-line option (``--encoder-layers`` ...)."""
+
+    encoder_layers: int = field(default=6, metadata={"help": "number of encoder layers (N in the paper)"})
+    decoder_layers: int = field(default=6, metadata={"help": "number of decoder layers (N in the paper)"})
+    encoder_embed_dim: int = field(default=512, metadata={"help": "encoder model width d_model"})
+    decoder_embed_dim: int = field(default=512, metadata={"help": "decoder model width d_model"})
+    encoder_ffn_embed_dim: int = field(default=2048, metadata={"help": "encoder feed-forward inner width d_ff"})
+    decoder_ffn_embed_dim: int = field(default=2048, metadata={"help": "decoder feed-forward inner width d_ff"})
+    encoder_attention_heads: int = field(default=8, metadata={"help": "encoder attention heads h"})
+    decoder_attention_heads: int = field(default=8, metadata={"help": "decoder attention heads h"})
+    dropout: float = field(default=0.1, metadata={
+        "help": "residual dropout P_drop: on embeddings + positions and on every sub-layer output"})
+    attention_dropout: float = field(default=0.0, metadata={"help": "dropout on attention weights"})
+    activation_dropout: float = field(default=0.0, metadata={"help": "dropout after the feed-forward ReLU"})
+    encoder_normalize_before: bool = field(default=False, metadata={
+        "help": "pre-norm encoder: LayerNorm before each sub-layer and after the stack (the paper is post-norm)"})
+    decoder_normalize_before: bool = field(default=False, metadata={
+        "help": "pre-norm decoder: LayerNorm before each sub-layer and after the stack (the paper is post-norm)"})
+    learned_pos: bool = field(default=False, metadata={
+        "help": "learned positional embeddings instead of sinusoids (paper 3.5 found them equivalent)"})
+    no_scale_embedding: bool = field(default=False, metadata={
+        "help": "do not multiply token embeddings by sqrt(d_model)"})
+    share_all_embeddings: bool = field(default=False, metadata={
+        "help": "one matrix for source embeddings, target embeddings and the output projection (needs a joined "
+                "dictionary)"})
+    share_decoder_input_output_embed: bool = field(default=False, metadata={
+        "help": "one matrix for target embeddings and the output projection"})
+    max_source_positions: int = field(default=1024, metadata={"help": "longest source sentence in tokens"})
+    max_target_positions: int = field(default=1024, metadata={"help": "longest target sentence in tokens"})
+
+    def __post_init__(self) -> None:
+        for side in ("encoder", "decoder"):
+            layers, dim = getattr(self, f"{side}_layers"), getattr(self, f"{side}_embed_dim")
+            ffn, heads = getattr(self, f"{side}_ffn_embed_dim"), getattr(self, f"{side}_attention_heads")
+            opt = f"--{side}"
+            if layers < 1:
+                raise ValueError(f"{opt}-layers must be at least 1, got {layers}")
+            if dim < 1 or ffn < 1 or heads < 1:
+                raise ValueError(f"{opt}-embed-dim, {opt}-ffn-embed-dim and {opt}-attention-heads must be "
+                                 f"positive, got {dim}, {ffn}, {heads}")
+            if dim % heads:
+                raise ValueError(f"{opt}-embed-dim {dim} is not divisible by {opt}-attention-heads {heads}; "
+                                 f"choose a head count that divides the width (e.g. {_divisor_hint(dim, heads)})")
+            if not self.learned_pos and dim % 2:
+                raise ValueError(f"{opt}-embed-dim {dim} is odd; sinusoidal positions need an even width "
+                                 f"(use {dim + 1} or --learned-pos)")
+        for name in ("dropout", "attention_dropout", "activation_dropout"):
+            p = getattr(self, name)
+            if not 0.0 <= p < 1.0:
+                raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1), got {p}")
+        for name in ("max_source_positions", "max_target_positions"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.share_all_embeddings and self.encoder_embed_dim != self.decoder_embed_dim:
+            raise ValueError(f"--share-all-embeddings needs --encoder-embed-dim == --decoder-embed-dim, got "
+                             f"{self.encoder_embed_dim} and {self.decoder_embed_dim}; make them equal or pass "
+                             f"--no-share-all-embeddings")
+
+
+def _divisor_hint(dim: int, heads: int) -> int:
+    """The divisor of ``dim`` closest to ``heads``, to suggest in an error message."""
+    return min((h for h in range(1, dim + 1) if dim % h == 0), key=lambda h: (abs(h - heads), h))
+
+
+# --------------------------------------------------------------------------------- named architectures
+
+
+@register_arch("transformer", model="transformer")
+def transformer_base() -> dict:
+    """Transformer base (Vaswani et al. 2017, Table 3 'base'): 6+6 layers, d 512, d_ff 2048, 8 heads."""
+    return dict(encoder_layers=6, decoder_layers=6, encoder_embed_dim=512, decoder_embed_dim=512,
+                encoder_ffn_embed_dim=2048, decoder_ffn_embed_dim=2048, encoder_attention_heads=8,
+                decoder_attention_heads=8, dropout=0.1)
+
+
+@register_arch("transformer_big", model="transformer")
+def transformer_big() -> dict:
+    """Transformer big (Table 3 'big'): 6+6 layers, d 1024, d_ff 4096, 16 heads, dropout 0.3 (EN-DE)."""
+    return dict(transformer_base(), encoder_embed_dim=1024, decoder_embed_dim=1024, encoder_ffn_embed_dim=4096,
+                decoder_ffn_embed_dim=4096, encoder_attention_heads=16, decoder_attention_heads=16, dropout=0.3)
+
+
+@register_arch("transformer_iwslt_de_en", model="transformer")
+def transformer_iwslt_de_en() -> dict:
+    """Small model for IWSLT'14 De-En (fairseq's recipe): 6+6 layers, d 512, d_ff 1024, 4 heads, dropout 0.3."""
+    return dict(transformer_base(), encoder_ffn_embed_dim=1024, decoder_ffn_embed_dim=1024,
+                encoder_attention_heads=4, decoder_attention_heads=4, dropout=0.3)
+
+
+@register_arch("transformer_small", model="transformer")
+def transformer_small() -> dict:
+    """Multi30k-sized model for CPU training: 3+3 layers, d 256, d_ff 1024, 4 heads, dropout 0.3, shared embeddings."""
+    return dict(encoder_layers=3, decoder_layers=3, encoder_embed_dim=256, decoder_embed_dim=256,
+                encoder_ffn_embed_dim=1024, decoder_ffn_embed_dim=1024, encoder_attention_heads=4,
+                decoder_attention_heads=4, dropout=0.3, share_all_embeddings=True)
+
+
+# ---------------------------------------------------------------------------- 3.5 positional encoding
+
+
+def sinusoid_table(num_positions: int, dim: int) -> Tensor:
+    """The paper's formula, sin and cos interleaved: PE[pos, 2i] = sin(pos / 10000^(2i/d)), PE[pos, 2i+1] = cos(.).
+
+    (fairseq instead concatenates all sines then all cosines; the two differ by a fixed permutation of the
+    columns and are equally good, but checkpoints are not interchangeable.)
+    """
+    pos = torch.arange(num_positions, dtype=torch.float64).unsqueeze(1)  # (P, 1)
+    inv_freq = torch.exp(torch.arange(0, dim, 2, dtype=torch.float64) * (-math.log(10000.0) / dim))  # (D/2,)
+    angles = pos * inv_freq  # (P, D/2)
+    table = torch.empty(num_positions, dim, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(angles)
+    table[:, 1::2] = torch.cos(angles)
+    return table.float()
+
+
+class SinusoidalPositions(nn.Module):
+    """Fixed sinusoids (3.5). The table is a non-persistent buffer (not in checkpoints) that grows on demand, so
+    sentences longer than any seen in training still get well-defined positions."""
+
+    def __init__(self, dim: int, initial_size: int = 256):
+        super().__init__()
+        self.dim = dim
+        self.register_buffer("table", sinusoid_table(initial_size, dim), persistent=False)
+
+    def forward(self, positions: Tensor, max_len: int) -> Tensor:  # positions (B, T) with values < max_len
+        if max_len > self.table.size(0):
+            self.table = sinusoid_table(max(max_len, 2 * self.table.size(0)), self.dim).to(self.table)
+        return F.embedding(positions, self.table)  # (B, T, D)
+
+
+class LearnedPositions(nn.Module):
+    """One learned vector per position (the paper's alternative in 3.5); limited to ``max_positions``."""
+
+    def __init__(self, max_positions: int, dim: int, what: str):
+        super().__init__()
+        self.what = what  # the option that sets the limit, for the error message
+        self.weight = nn.Parameter(torch.empty(max_positions, dim))
+        nn.init.normal_(self.weight, mean=0.0, std=dim**-0.5)
+
+    def forward(self, positions: Tensor, max_len: int) -> Tensor:
+        if max_len > self.weight.size(0):
+            raise UserError(f"a sentence of {max_len} tokens is longer than {self.what} {self.weight.size(0)} "
+                            f"of this model (learned positions); filter long sentences or train with a larger "
+                            f"{self.what}")
+        return F.embedding(positions, self.weight)  # (B, T, D)
+
+
+def positions_of(tokens: Tensor, pad_idx: int, start: int = 0) -> Tensor:
+    """Position of each token among the real tokens of its sentence, counted from ``start``.
+
+    For right-padded batches this is ``start + 0..T-1``; counting non-pad tokens makes the positions (hence the
+    outputs) independent of the padding even for left-padded input. Pad tokens get a position they never use.
+    """
+    real = tokens.ne(pad_idx)
+    return (torch.cumsum(real, dim=1) - 1).clamp_(min=0) + start  # (B, T)
+
+
+# ------------------------------------------------------------------------------------- 3.4 embeddings
+
+
+class InputEmbedding(nn.Module):
+    """Token embedding x sqrt(d_model) (3.4) + positional encoding (3.5), then dropout (5.4).
+
+    ``tokens`` is shared between stacks and with the output projection when embeddings are shared.
+    """
+
+    def __init__(self, tokens: nn.Embedding, positions: nn.Module, scale: bool, dropout: float, pad_idx: int):
+        super().__init__()
+        self.tokens = tokens
+        self.positions = positions
+        self.scale = math.sqrt(tokens.embedding_dim) if scale else 1.0
+        self.dropout = nn.Dropout(dropout)
+        self.pad_idx = pad_idx
+
+    def forward(self, tokens: Tensor, start: int = 0) -> Tensor:  # tokens (B, T)
+        pos = positions_of(tokens, self.pad_idx, start)  # (B, T)
+        x = self.scale * self.tokens(tokens) + self.positions(pos, start + tokens.size(1))  # (B, T, D)
+        return self.dropout(x)
+
+
+def token_embedding(num_embeddings: int, dim: int, pad_idx: int) -> nn.Embedding:
+    """N(0, d^-1/2) init: after the sqrt(d) scaling, embeddings have unit variance like the sinusoids."""
+    emb = nn.Embedding(num_embeddings, dim, padding_idx=pad_idx)
+    nn.init.normal_(emb.weight, mean=0.0, std=dim**-0.5)
+    with torch.no_grad():
+        emb.weight[pad_idx].zero_()
+    return emb
+
+
+def linear(in_features: int, out_features: int, bias: bool = True) -> nn.Linear:
+    """A linear layer with Xavier-uniform weights and zero bias (fairseq's choice for the Transformer)."""
+    layer = nn.Linear(in_features, out_features, bias=bias)
+    nn.init.xavier_uniform_(layer.weight)
+    if bias:
+        nn.init.zeros_(layer.bias)
+    return layer
+
+
+# ------------------------------------------------------------------------------------------ 3.2 attention
+
+
+def key_padding_mask(padding_mask: Tensor) -> Tensor | None:
+    """(B, S) True=pad -> boolean attention mask (B, 1, 1, S) True=attend, or None when nothing is padded.
+
+    A sentence with no real token at all would leave every key masked, and softmax over nothing is NaN; such
+    rows attend to everything instead (their output is meaningless but finite, and nothing real depends on it).
+    """
+    if not padding_mask.any():
+        return None  # lets SDPA pick its fastest kernel
+    attend = ~padding_mask | padding_mask.all(dim=1, keepdim=True)  # (B, S)
+    return attend[:, None, None, :]  # (B, 1, 1, S): broadcast over heads and queries
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention (3.2.2) over scaled dot-product attention (3.2.1).
+
+    ``softmax(Q K^T / sqrt(d_k)) V`` is ``F.scaled_dot_product_attention``, which picks a fused kernel and applies
+    attention dropout (``dropout_p``) to the weights in training. Self-attention projects Q, K and V with one
+    fused (D -> 3D) matmul; encoder-decoder attention projects the query from the decoder and K, V (one fused
+    matmul) from the encoder output, which the decoder computes once per sentence when decoding step by step.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float, kv_dim: int | None = None):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = embed_dim // num_heads
+        self.dropout = dropout
+        if kv_dim is None:  # self-attention
+            self.qkv_proj = nn.Linear(embed_dim, 3 * embed_dim)
+            fused = [self.qkv_proj]
+        else:  # encoder-decoder attention
+            self.q_proj = nn.Linear(embed_dim, embed_dim)
+            self.kv_proj = nn.Linear(kv_dim, 2 * embed_dim)
+            fused = [self.q_proj, self.kv_proj]
+        # Initialize each of W^Q, W^K, W^V as its own (D, D) matrix, as if unfused: Xavier-uniform scaled by
+        # 1/sqrt(2) (fairseq's choice, which it found to converge better), zero bias.
+        for proj in fused:
+            for block in proj.weight.split(embed_dim, dim=0):
+                nn.init.xavier_uniform_(block, gain=1 / math.sqrt(2))
+            nn.init.zeros_(proj.bias)
+        self.out_proj = linear(embed_dim, embed_dim)  # W^O
+
+    def _split_heads(self, x: Tensor) -> Tensor:  # (B, T, D) -> (B, H, T, Dh)
+        B, T, _ = x.shape
+        return x.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+
+    def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Self-attention: Q, K, V from the same (B, T, D) input, each (B, H, T, Dh)."""
+        q, k, v = self.qkv_proj(x).chunk(3, dim=-1)  # 3 x (B, T, D)
+        return self._split_heads(q), self._split_heads(k), self._split_heads(v)
+
+    def project_q(self, x: Tensor) -> Tensor:
+        return self._split_heads(self.q_proj(x))  # (B, H, T, Dh)
+
+    def project_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        """Encoder-decoder attention: K, V from the encoder output (B, S, D_enc), each (B, H, S, Dh)."""
+        k, v = self.kv_proj(memory).chunk(2, dim=-1)
+        return self._split_heads(k).contiguous(), self._split_heads(v).contiguous()
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
+        """Concat(head_1..head_h) W^O with head_i = Attention(Q_i, K_i, V_i). Returns (B, T, D)."""
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                             dropout_p=self.dropout if self.training else 0.0)  # (B, H, T, Dh)
+        B, H, T, Dh = out.shape
+        return self.out_proj(out.transpose(1, 2).reshape(B, T, H * Dh))  # (B, T, D)
+
+    def forward(self, x: Tensor, mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
+        """Self-attention of ``x`` (B, T, D) without a cache."""
+        return self.attend(*self.project_qkv(x), mask=mask, is_causal=is_causal)
+
+
+# ------------------------------------------------------------------------ 3.3 position-wise feed-forward
+
+
+class FeedForward(nn.Module):
+    """FFN(x) = max(0, x W1 + b1) W2 + b2, applied to each position separately (3.3)."""
+
+    def __init__(self, embed_dim: int, ffn_dim: int, activation_dropout: float):
+        super().__init__()
+        self.fc1 = linear(embed_dim, ffn_dim)
+        self.fc2 = linear(ffn_dim, embed_dim)
+        self.activation_dropout = nn.Dropout(activation_dropout)
+
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, D)
+        return self.fc2(self.activation_dropout(F.relu(self.fc1(x))))  # (B, T, D)
+
+
+# ------------------------------------------------------------- 5.4 residual dropout around each sub-layer
+
+
+def residual(x: Tensor, sublayer, norm: nn.LayerNorm, dropout: nn.Dropout, normalize_before: bool) -> Tensor:
+    """Post-norm (the paper, 3.1): LayerNorm(x + Dropout(Sublayer(x))).
+    Pre-norm (optional): x + Dropout(Sublayer(LayerNorm(x))), which trains deep stacks without warm-up tricks."""
+    if normalize_before:
+        return x + dropout(sublayer(norm(x)))
+    return norm(x + dropout(sublayer(x)))
+
+
+# -------------------------------------------------------------------------------- incremental decoding
+
+
+@dataclass
+class EncoderOut:
+    """What the decoder needs from the encoder."""
+
+    out: Tensor  # (B, S, D) encoder output
+    padding_mask: Tensor  # (B, S) bool, True at padding
+
+
+@dataclass
+class LayerCache:
+    """One decoder layer's state while decoding step by step.
+
+    Self-attention keys/values live in buffers of capacity >= the steps so far (doubling when full), so a step
+    writes one slot instead of copying the whole history. Encoder-decoder keys/values are computed at the first
+    step and reused.
+    """
+
+    k: Tensor | None = None  # (B, H, capacity, Dh); slots [0, length) are valid
+    v: Tensor | None = None
+    cross_k: Tensor | None = None  # (B, H, S, Dh)
+    cross_v: Tensor | None = None
+
+    def append(self, k: Tensor, v: Tensor, start: int) -> tuple[Tensor, Tensor]:
+        """Store this step's (B, H, T, Dh) keys/values at ``start``; return all keys/values so far."""
+        end = start + k.size(2)
+        if self.k is None or end > self.k.size(2) or self.k.dtype != k.dtype:
+            B, H, _, Dh = k.shape
+            capacity = max(16, 2 * end)
+            new_k, new_v = k.new_empty(B, H, capacity, Dh), v.new_empty(B, H, capacity, Dh)
+            if self.k is not None and start > 0:
+                new_k[:, :, :start] = self.k[:, :, :start]
+                new_v[:, :, :start] = self.v[:, :, :start]
+            self.k, self.v = new_k, new_v
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]  # (B, H, end, Dh) each
+
+    def index_select(self, order: Tensor) -> LayerCache:
+        def sel(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.index_select(0, order)
+
+        return LayerCache(sel(self.k), sel(self.v), sel(self.cross_k), sel(self.cross_v))
+
+
+@dataclass
+class DecoderCache:
+    """Per-layer state for step-by-step decoding; ``length`` is the number of target tokens decoded so far."""
+
+    layers: list[LayerCache]
+    length: int = 0
+
+
+# ---------------------------------------------------------------------------------- 3.1 encoder, decoder
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention then feed-forward, each wrapped in a residual connection with layer normalization."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        d = cfg.encoder_embed_dim
+        self.normalize_before = cfg.encoder_normalize_before
+        self.self_attn = MultiHeadAttention(d, cfg.encoder_attention_heads, cfg.attention_dropout)
+        self.self_attn_norm = nn.LayerNorm(d)
+        self.ffn = FeedForward(d, cfg.encoder_ffn_embed_dim, cfg.activation_dropout)
+        self.ffn_norm = nn.LayerNorm(d)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:  # (B, S, D)
+        x = residual(x, lambda h: self.self_attn(h, mask=mask), self.self_attn_norm, self.dropout,
+                     self.normalize_before)
+        return residual(x, self.ffn, self.ffn_norm, self.dropout, self.normalize_before)  # (B, S, D)
+
+
+class DecoderLayer(nn.Module):
+    """Causal self-attention, encoder-decoder attention, feed-forward; each in a residual block (3.1)."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        d = cfg.decoder_embed_dim
+        self.normalize_before = cfg.decoder_normalize_before
+        self.self_attn = MultiHeadAttention(d, cfg.decoder_attention_heads, cfg.attention_dropout)
+        self.self_attn_norm = nn.LayerNorm(d)
+        self.cross_attn = MultiHeadAttention(d, cfg.decoder_attention_heads, cfg.attention_dropout,
+                                             kv_dim=cfg.encoder_embed_dim)
+        self.cross_attn_norm = nn.LayerNorm(d)
+        self.ffn = FeedForward(d, cfg.decoder_ffn_embed_dim, cfg.activation_dropout)
+        self.ffn_norm = nn.LayerNorm(d)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def _self_attention(self, h: Tensor, cache: LayerCache | None, start: int) -> Tensor:
+        """3.2.3: each position attends to itself and earlier positions only."""
+        q, k, v = self.self_attn.project_qkv(h)  # (B, H, T, Dh) each
+        if cache is None:  # teacher forcing: the whole target at once under a causal mask
+            return self.self_attn.attend(q, k, v, is_causal=True)
+        k, v = cache.append(k, v, start)  # (B, H, start+T, Dh): all positions so far
+        T = q.size(2)
+        mask = None
+        if T > 1:  # several new tokens at once: query i (position start+i) sees keys 0..start+i
+            key_pos = torch.arange(start + T, device=q.device)
+            mask = key_pos[None, :] <= (start + torch.arange(T, device=q.device))[:, None]  # (T, start+T)
+        return self.self_attn.attend(q, k, v, mask=mask)
+
+    def _cross_attention(self, h: Tensor, memory: Tensor, memory_mask: Tensor | None,
+                         cache: LayerCache | None) -> Tensor:
+        """3.2.3: queries from the decoder, keys and values from the encoder output (padding masked)."""
+        q = self.cross_attn.project_q(h)  # (B, H, T, Dh)
+        if cache is not None and cache.cross_k is not None:
+            k, v = cache.cross_k, cache.cross_v
+        else:
+            k, v = self.cross_attn.project_kv(memory)  # (B, H, S, Dh) each
+            if cache is not None:
+                cache.cross_k, cache.cross_v = k, v
+        return self.cross_attn.attend(q, k, v, mask=memory_mask)
+
+    def forward(self, x: Tensor, memory: Tensor, memory_mask: Tensor | None, cache: LayerCache | None = None,
+                start: int = 0) -> Tensor:  # x (B, T, D), memory (B, S, D_enc)
+        pre = self.normalize_before
+        x = residual(x, lambda h: self._self_attention(h, cache, start), self.self_attn_norm, self.dropout, pre)
+        x = residual(x, lambda h: self._cross_attention(h, memory, memory_mask, cache), self.cross_attn_norm,
+                     self.dropout, pre)
+        return residual(x, self.ffn, self.ffn_norm, self.dropout, pre)  # (B, T, D)
+
+
+class TransformerEncoder(nn.Module):
+    """Embeddings + N encoder layers (3.1); pre-norm adds a final LayerNorm."""
+
+    def __init__(self, cfg: TransformerConfig, embed: InputEmbedding):
+        super().__init__()
+        self.embed = embed
+        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.encoder_layers))
+        self.final_norm = nn.LayerNorm(cfg.encoder_embed_dim) if cfg.encoder_normalize_before else None
+
+    def forward(self, src_tokens: Tensor) -> EncoderOut:  # (B, S)
+        padding_mask = src_tokens.eq(self.embed.pad_idx)  # (B, S)
+        mask = key_padding_mask(padding_mask)  # (B, 1, 1, S) or None
+        x = self.embed(src_tokens)  # (B, S, D)
+        for layer in self.layers:
+            x = layer(x, mask)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return EncoderOut(out=x, padding_mask=padding_mask)
+
+
+class TransformerDecoder(nn.Module):
+    """Embeddings + N decoder layers (3.1) + the pre-softmax linear projection (3.4)."""
+
+    def __init__(self, cfg: TransformerConfig, embed: InputEmbedding, output_projection: nn.Linear):
+        super().__init__()
+        self.embed = embed
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
+        self.final_norm = nn.LayerNorm(cfg.decoder_embed_dim) if cfg.decoder_normalize_before else None
+        self.output_projection = output_projection
+
+    def forward(self, prev_output_tokens: Tensor, enc: EncoderOut, cache: DecoderCache | None = None) -> Tensor:
+        start = 0 if cache is None else cache.length
+        x = self.embed(prev_output_tokens, start)  # (B, T, D)
+        memory_mask = key_padding_mask(enc.padding_mask)  # (B, 1, 1, S) or None
+        layer_caches = [None] * len(self.layers) if cache is None else cache.layers
+        for layer, layer_cache in zip(self.layers, layer_caches):
+            x = layer(x, enc.out, memory_mask, layer_cache, start)
+        if cache is not None:
+            cache.length += prev_output_tokens.size(1)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return self.output_projection(x)  # (B, T, V)
+
+
+# --------------------------------------------------------------------------------------------- the model
+
+
+@register("model", "transformer", config=TransformerConfig)
+class TransformerModel(nn.Module):
+    """Transformer encoder-decoder (Vaswani et al., 2017) with optional pre-norm, learned positions, shared embeddings."""
+
+    def __init__(self, cfg: TransformerConfig, src_vocab: int, tgt_vocab: int, pad_idx: int, *, joint_vocab: bool):
+        super().__init__()
+        if cfg.share_all_embeddings:
+            if not joint_vocab or src_vocab != tgt_vocab:
+                raise UserError("--share-all-embeddings needs a joined dictionary (preprocess --joined-dictionary); "
+                                "re-run preprocess with --joined-dictionary or train with --no-share-all-embeddings")
+            if cfg.encoder_embed_dim != cfg.decoder_embed_dim:
+                raise UserError(f"--share-all-embeddings needs --encoder-embed-dim == --decoder-embed-dim, got "
+                                f"{cfg.encoder_embed_dim} and {cfg.decoder_embed_dim}; make them equal or pass "
+                                f"--no-share-all-embeddings")
+        self.cfg = cfg
+        self.pad_idx = pad_idx
+        self.src_vocab, self.tgt_vocab = src_vocab, tgt_vocab
+
+        src_tokens = token_embedding(src_vocab, cfg.encoder_embed_dim, pad_idx)
+        tgt_tokens = src_tokens if cfg.share_all_embeddings else token_embedding(tgt_vocab, cfg.decoder_embed_dim,
+                                                                                 pad_idx)
+        output_projection = nn.Linear(cfg.decoder_embed_dim, tgt_vocab, bias=False)
+        if cfg.share_all_embeddings or cfg.share_decoder_input_output_embed:
+            output_projection.weight = tgt_tokens.weight  # 3.4: the same matrix, tied
+        else:
+            nn.init.normal_(output_projection.weight, mean=0.0, std=cfg.decoder_embed_dim**-0.5)
+
+        def positions(dim: int, max_positions: int, what: str) -> nn.Module:
+            return LearnedPositions(max_positions, dim, what) if cfg.learned_pos else SinusoidalPositions(dim)
+
+        scale = not cfg.no_scale_embedding
+        self.encoder = TransformerEncoder(cfg, InputEmbedding(
+            src_tokens, positions(cfg.encoder_embed_dim, cfg.max_source_positions, "--max-source-positions"),
+            scale, cfg.dropout, pad_idx))
+        self.decoder = TransformerDecoder(cfg, InputEmbedding(
+            tgt_tokens, positions(cfg.decoder_embed_dim, cfg.max_target_positions, "--max-target-positions"),
+            scale, cfg.dropout, pad_idx), output_projection)
+
+    @classmethod
+    def build(cls, cfg: TransformerConfig, src_vocab: int, tgt_vocab: int, pad_idx: int, *,
+              joint_vocab: bool) -> TransformerModel:
+        """The model for dictionaries of ``src_vocab`` / ``tgt_vocab`` symbols (``joint_vocab``: one shared one)."""
+        return cls(cfg, src_vocab, tgt_vocab, pad_idx, joint_vocab=joint_vocab)
+
+    def forward(self, src_tokens: Tensor, src_lengths: Tensor, prev_output_tokens: Tensor) -> Tensor:
+        """Teacher-forced logits (B, T, V) for right-padded ``src_tokens`` (B, S) and ``prev_output_tokens`` (B, T)."""
+        return self.decode(prev_output_tokens, self.encode(src_tokens, src_lengths))
+
+    def encode(self, src_tokens: Tensor, src_lengths: Tensor) -> EncoderOut:
+        """Encoder output (B, S, D) and padding mask (B, S).
+
+        Padding is read from the tokens (``pad_idx``); ``src_lengths`` is part of the interface shared with
+        the batching code and is not needed here.
+        """
+        return self.encoder(src_tokens)
+
+    def decode(self, prev_output_tokens: Tensor, enc: EncoderOut, cache: DecoderCache | None = None) -> Tensor:
+        """Logits (B, T, V).
+
+        Without ``cache``: the whole target prefix at once (teacher forcing). With ``cache``: only the newest
+        token(s) (B, 1), at positions following the ``cache.length`` tokens already decoded; their self-attention
+        keys/values are appended to the cache, and the encoder-decoder keys/values are computed on the first call
+        and reused.
+        """
+        return self.decoder(prev_output_tokens, enc, cache)
+
+    def new_cache(self) -> DecoderCache:
+        return DecoderCache(layers=[LayerCache() for _ in self.decoder.layers])
+
+    @staticmethod
+    def reorder(enc: EncoderOut, cache: DecoderCache | None,
+                new_order: Tensor) -> tuple[EncoderOut, DecoderCache | None]:
+        """Select (and repeat or drop) batch rows: beam search reorders hypotheses and removes finished ones."""
+        enc = EncoderOut(enc.out.index_select(0, new_order), enc.padding_mask.index_select(0, new_order))
+        if cache is not None:
+            cache = DecoderCache([lc.index_select(new_order) for lc in cache.layers], cache.length)
+        return enc, cache
+
+    def max_positions(self) -> tuple[int, int]:
+        """(source, target) length limits in tokens."""
+        return self.cfg.max_source_positions, self.cfg.max_target_positions
+
+    def num_parameters(self) -> int:
+        """Trainable parameters, a shared embedding matrix counted once."""
+        return sum(p.numel() for p in self.parameters())
