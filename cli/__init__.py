@@ -17,6 +17,8 @@ from attnmt.errors import UserError
 # subcommand name -> module (inside attnmt.cli) that defines ``command``
 COMMANDS = {
     "list": "list_cmd",
+    "score": "score",
+    "average-checkpoints": "average_checkpoints",
 }
 
 
