@@ -150,9 +150,11 @@ def _bytes_sha256(t: Any) -> str | None:
     return hashlib.sha256(repr(t).encode()).hexdigest()
 
 
-def _short(v: Any) -> str:
+def _short(key: str, v: Any) -> str:
+    if isinstance(v, str) and (key.endswith("sha256") or key == "data.bpe_model"):
+        return repr(v[:12] + "...")  # checksums: the first 12 hex digits identify them
     s = repr(v)
-    return s if len(s) <= 40 else s[:37] + "..."
+    return s if len(s) <= 60 else s[:57] + "..."
 
 
 def _identity(ck: dict) -> dict[str, Any]:
@@ -175,7 +177,7 @@ def check_compatible(first: dict, first_path: Path, other: dict, other_path: Pat
         return
     arch = [k for k in diffs if not k.startswith("data.")]
     what = "different architectures" if arch else "different dictionaries / data preparation"
-    shown = "; ".join(f"{k}: {_short(a.get(k, '<absent>'))} vs {_short(b.get(k, '<absent>'))}" for k in diffs[:4])
+    shown = "; ".join(f"{k}: {_short(k, a.get(k, '<absent>'))} vs {_short(k, b.get(k, '<absent>'))}" for k in diffs[:4])
     more = f" (+{len(diffs) - 4} more)" if len(diffs) > 4 else ""
     raise UserError(f"cannot average {first_path} and {other_path}: {what} ({shown}{more}); "
                     f"average only checkpoints of the same training run")
