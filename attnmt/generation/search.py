@@ -1,0 +1,491 @@
+"""Search over target sequences: beam search, greedy decoding and sampling.
+
+All three drive a model through the incremental-decoding interface (``encode``, ``decode`` with a cache,
+``new_cache``, ``reorder``) and return, per source sentence, a list of finished :class:`Hypothesis` sorted best
+first.
+
+Scores
+    A hypothesis ``Y`` (its generated tokens, the final EOS included) scores ``logprob(Y) / lp(|Y|)`` with the
+    GNMT length penalty of Wu et al. (2016), which "Attention Is All You Need" uses with alpha = 0.6::
+
+        lp(|Y|) = ((5 + |Y|) / 6) ** alpha
+
+    ``|Y|`` counts the EOS. alpha = 0 ranks by plain log-probability; larger alpha favours longer outputs. fairseq's
+    ``--lenpen`` divides by ``|Y| ** alpha`` instead; the two agree only at alpha = 0. Log-probabilities are natural
+    logarithms (fairseq prints base 2).
+
+Lengths
+    A sentence whose source has ``S`` tokens (its EOS included, as the model sees it) may generate at most
+    ``max_len = floor(a * S + b)`` tokens before the EOS, capped so that the decoder never runs past the model's
+    target positions. The limit is per sentence, never per batch, so a translation does not depend on what else is in
+    its batch.
+
+Early stopping
+    Log-probabilities are <= 0, so extending a live hypothesis with cumulative log-probability ``s`` (after ``t``
+    tokens) can only lower ``s``. Its final score is ``s' / lp(L)`` with ``s' <= s`` and ``t + 1 <= L <= max_len + 1``;
+    as ``s' <= 0`` this is at most ``s / max(lp(t + 1), lp(max_len + 1))``: ``lp(max_len + 1)`` when alpha >= 0 (lp
+    grows with length), ``lp(t + 1)`` when alpha < 0. (A negative ``--unkpen`` rewards unknown words, each token can
+    then add up to ``-unkpen``, and the bound is maximised over every reachable length instead.) A sentence is
+    finished once it holds ``nbest`` finished hypotheses and no live hypothesis' bound exceeds the ``nbest``-th best
+    finished score: from then on its n-best list can no longer change. Every sentence stops on its own, which keeps
+    the search batch-invariant.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class SearchConfig:
+    """How hypotheses are searched for and ranked."""
+
+    beam: int = field(default=4, metadata={"help": "Beam size; 1 is greedy search. With --sampling: samples drawn per sentence."})
+    lenpen: float = field(default=0.6, metadata={
+        "help": "Length penalty alpha: score = logprob / ((5 + length) / 6) ** alpha (GNMT); 0 ranks by logprob."})
+    max_len_a: float = field(default=1.0, metadata={"help": "Generate at most a * source_length + b tokens (a)."})
+    max_len_b: int = field(default=50, metadata={"help": "Generate at most a * source_length + b tokens (b)."})
+    min_len: int = field(default=1, metadata={"help": "Generate at least this many tokens before the end of sentence."})
+    nbest: int = field(default=1, metadata={"help": "Output this many hypotheses per sentence (at most --beam)."})
+    unkpen: float = field(default=0.0, metadata={"help": "Subtract this from the log-probability of the unknown word."})
+    no_repeat_ngram_size: int = field(default=0, metadata={"help": "Never repeat an n-gram of this size (0: off)."})
+    sampling: bool = field(default=False, metadata={"help": "Sample from the model instead of searching."})
+    sampling_topk: int = field(default=0, metadata={"help": "Sample from the k most probable tokens only (0: all)."})
+    sampling_topp: float = field(default=1.0, metadata={
+        "help": "Sample from the smallest set of tokens whose probability reaches p (1.0: all)."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (scores stay model log-probs)."})
+    seed: int = field(default=1, metadata={"help": "Seed for --sampling; a sentence's samples depend on it and its index."})
+
+    def __post_init__(self):
+        if self.beam < 1:
+            raise ValueError(f"--beam must be at least 1, got {self.beam}")
+        if not 1 <= self.nbest <= self.beam:
+            raise ValueError(f"--nbest must be between 1 and --beam ({self.beam}), got {self.nbest}; raise --beam")
+        if self.max_len_a < 0 or self.max_len_b < 0:
+            raise ValueError("--max-len-a and --max-len-b must not be negative")
+        if self.min_len < 0:
+            raise ValueError(f"--min-len must not be negative, got {self.min_len}")
+        if self.no_repeat_ngram_size < 0:
+            raise ValueError(f"--no-repeat-ngram-size must not be negative, got {self.no_repeat_ngram_size}")
+        if self.sampling_topk < 0:
+            raise ValueError(f"--sampling-topk must not be negative, got {self.sampling_topk}")
+        if not 0.0 < self.sampling_topp <= 1.0:
+            raise ValueError(f"--sampling-topp must be in (0, 1], got {self.sampling_topp}")
+        if self.temperature <= 0:
+            raise ValueError(f"--temperature must be positive, got {self.temperature}")
+        if not math.isfinite(self.lenpen):
+            raise ValueError(f"--lenpen must be a finite number, got {self.lenpen}")
+
+
+@dataclass(frozen=True)
+class Symbols:
+    """The special token ids the search needs."""
+
+    eos: int
+    pad: int
+    unk: int
+    bos: int | None = None
+
+    @classmethod
+    def from_dictionary(cls, d) -> Symbols:
+        return cls(eos=d.eos(), pad=d.pad(), unk=d.unk(), bos=d.bos())
+
+
+@dataclass
+class Hypothesis:
+    """A finished translation: ``tokens`` end with EOS; ``score = sum(positional_scores) / lp(len(tokens))``."""
+
+    tokens: list[int]
+    score: float
+    positional_scores: list[float]
+
+    @property
+    def logprob(self) -> float:
+        return float(sum(self.positional_scores))
+
+
+class IncrementalModel(Protocol):
+    """What the search needs from a model (the Transformer provides it)."""
+
+    def encode(self, src_tokens: Tensor, src_lengths: Tensor) -> Any: ...
+
+    def decode(self, prev_output_tokens: Tensor, enc: Any, cache: Any = None) -> Tensor: ...
+
+    def new_cache(self) -> Any: ...
+
+    def reorder(self, enc: Any, cache: Any, new_order: Tensor) -> tuple[Any, Any]: ...
+
+
+# ------------------------------------------------------------------------------------------------ scoring
+
+
+def length_penalty(length, alpha: float):
+    """GNMT length penalty ``((5 + length) / 6) ** alpha`` (a float or a tensor, like ``length``)."""
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+def max_lengths(src_lengths: Tensor, cfg: SearchConfig, max_target_positions: int | None = None) -> Tensor:
+    """Per sentence, the most tokens that may precede the EOS: ``floor(a * S + b)``, at least 1, within the model."""
+    lim = torch.floor(src_lengths.double() * cfg.max_len_a + cfg.max_len_b).long().clamp(min=1)
+    if max_target_positions is not None:
+        # the decoder sees EOS + the generated tokens: max_len + 1 positions to emit the final EOS
+        lim = lim.clamp(max=max(1, max_target_positions - 1))
+    return lim
+
+
+def score_upper_bound(cum: Tensor, n_tokens: int, max_len: Tensor, alpha: float, bonus: float = 0.0) -> Tensor:
+    """The best final score any completion of live hypotheses can reach (see "Early stopping" above).
+
+    ``cum``: cumulative log-probabilities (<= 0 unless ``bonus`` > 0) of hypotheses with ``n_tokens`` generated
+    tokens and no EOS yet; ``max_len``: per-row token limit; ``bonus``: the most one more non-EOS token can add to
+    the log-probability (``-unkpen`` when the unknown word is rewarded, else 0).
+    """
+    first = n_tokens + 1  # shortest completion: EOS right away
+    if bonus <= 0.0:
+        if alpha >= 0:
+            lp_max = length_penalty((max_len + 1).to(cum.dtype), alpha)
+        else:
+            lp_max = torch.full_like(cum, length_penalty(float(first), alpha))
+        return cum / lp_max
+    # (cum + (L - first) * bonus) / lp(L) over every reachable length L
+    top = int(max_len.max()) + 1
+    lengths = torch.arange(first, max(first, top) + 1, device=cum.device, dtype=cum.dtype)
+    cand = (cum[:, None] + (lengths - first) * bonus) / length_penalty(lengths, alpha)
+    cand = cand.masked_fill(lengths[None, :] > (max_len + 1)[:, None].to(cum.dtype), NEG_INF)
+    return cand.max(dim=1).values
+
+
+# ------------------------------------------------------------------------------------------------ per-step rules
+
+
+def _block_ngram_repeats(lprobs: Tensor, generated: Tensor, n: int) -> None:
+    """Forbid every token that would complete an n-gram already present in the row (in place, vectorised)."""
+    length = generated.size(1)
+    if length < n or n == 0:
+        return
+    windows = generated.unfold(1, n, 1)  # (R, W, n)
+    if n > 1:
+        suffix = generated[:, length - n + 1:]  # the n-1 newest tokens
+        match = (windows[:, :, :-1] == suffix[:, None, :]).all(dim=2)
+    else:
+        match = torch.ones(windows.shape[:2], dtype=torch.bool, device=generated.device)
+    rows, wins = match.nonzero(as_tuple=True)
+    if rows.numel():
+        lprobs[rows, windows[rows, wins, -1]] = NEG_INF
+
+
+def step_log_probs(logits: Tensor, step: int, max_len: Tensor, generated: Tensor, cfg: SearchConfig,
+                   sym: Symbols) -> Tensor:
+    """Log-probabilities of the next token under the search's rules.
+
+    ``logits``: (R, V) for the token at position ``step`` (0-based count of tokens generated so far);
+    ``max_len``: (R,) per-row limits; ``generated``: (R, step) the tokens so far. Padding (and BOS) never appear,
+    ``--unkpen`` is subtracted from the unknown word, EOS is barred before ``--min-len`` and forced at ``max_len``.
+    """
+    lprobs = torch.log_softmax(logits.float(), dim=-1)
+    lprobs[:, sym.pad] = NEG_INF
+    if sym.bos is not None and sym.bos != sym.eos:
+        lprobs[:, sym.bos] = NEG_INF
+    if cfg.unkpen:
+        lprobs[:, sym.unk] -= cfg.unkpen
+    if cfg.no_repeat_ngram_size:
+        _block_ngram_repeats(lprobs, generated, cfg.no_repeat_ngram_size)
+    eos_lp = lprobs[:, sym.eos].clone()
+    if step < cfg.min_len:
+        lprobs[:, sym.eos] = NEG_INF
+    at_limit = max_len <= step
+    if bool(at_limit.any()):
+        rows = at_limit.nonzero(as_tuple=True)[0]
+        lprobs[rows] = NEG_INF
+        lprobs[rows, sym.eos] = eos_lp[rows]
+    return lprobs
+
+
+# ------------------------------------------------------------------------------------------------ bookkeeping
+
+
+class _Finished:
+    """Per sentence, the ``nbest`` best finished hypotheses (sorted, best first; ties keep the earlier one)."""
+
+    def __init__(self, n: int, nbest: int):
+        self.nbest = nbest
+        self.hyps: list[list[Hypothesis]] = [[] for _ in range(n)]
+
+    def add(self, sent: int, hyp: Hypothesis) -> float:
+        """Insert ``hyp``; return the ``nbest``-th best score of the sentence (-inf while fewer are finished)."""
+        lst = self.hyps[sent]
+        bisect.insort_right(lst, hyp, key=lambda h: -h.score)
+        del lst[self.nbest:]
+        return lst[-1].score if len(lst) == self.nbest else NEG_INF
+
+
+def _finalize(finished: _Finished, kth_best: Tensor, sent_ids: list[int], local: Tensor, rows: Tensor,
+              tokens: Tensor, pos_scores: Tensor, step: int, eos_lp: Tensor, cum: Tensor, alpha: float,
+              eos: int) -> None:
+    """Finish the prefixes in ``rows`` (``step`` tokens each) with EOS.
+
+    ``local``: each row's sentence among the active ones; ``sent_ids``: active sentence -> position in the batch;
+    ``eos_lp``/``cum``: the EOS log-probability and the cumulative log-probability with it. Updates ``kth_best``
+    (per active sentence, the score a live hypothesis must beat) in place.
+    """
+    toks = tokens[rows, 1:step + 1].tolist()
+    ps = pos_scores[rows, :step].tolist()
+    final = (cum / length_penalty(float(step + 1), alpha)).tolist()
+    eos_lps = eos_lp.tolist()
+    updates: dict[int, float] = {}
+    for m, a in enumerate(local.tolist()):
+        hyp = Hypothesis(toks[m] + [eos], final[m], ps[m] + [eos_lps[m]])
+        updates[a] = finished.add(sent_ids[a], hyp)
+    if updates:
+        idx = torch.tensor(list(updates), device=kth_best.device)
+        kth_best[idx] = torch.tensor(list(updates.values()), dtype=kth_best.dtype, device=kth_best.device)
+
+
+# ------------------------------------------------------------------------------------------------ searches
+
+
+def _max_target_positions(model) -> int | None:
+    fn = getattr(model, "max_positions", None)
+    if fn is None:
+        return None
+    mp = fn() if callable(fn) else fn
+    return int(mp[1]) if isinstance(mp, (tuple, list)) else int(mp)
+
+
+def _start(model, src_tokens: Tensor, src_lengths: Tensor, copies: int):
+    """Encode once; give every sentence ``copies`` rows (beams or samples) of encoder output and cache."""
+    enc = model.encode(src_tokens, src_lengths)
+    cache = model.new_cache()
+    if copies > 1:
+        order = torch.arange(src_tokens.size(0), device=src_tokens.device).repeat_interleave(copies)
+        enc, cache = model.reorder(enc, cache, order)
+    return enc, cache
+
+
+def search(model: IncrementalModel, src_tokens: Tensor, src_lengths: Tensor, cfg: SearchConfig, sym: Symbols,
+           sample_ids: Tensor | None = None) -> list[list[Hypothesis]]:
+    """Translate a batch of right-padded sources; per sentence, its ``cfg.nbest`` hypotheses, best first.
+
+    ``sample_ids`` (one id per sentence, e.g. its input line) seed ``--sampling`` per sentence, so that a sample
+    does not depend on batching; other searches ignore them.
+    """
+    if cfg.sampling:
+        return sample_search(model, src_tokens, src_lengths, cfg, sym, sample_ids)
+    if cfg.beam == 1:
+        return greedy_search(model, src_tokens, src_lengths, cfg, sym)
+    return beam_search(model, src_tokens, src_lengths, cfg, sym)
+
+
+@torch.inference_mode()
+def beam_search(model: IncrementalModel, src_tokens: Tensor, src_lengths: Tensor, cfg: SearchConfig,
+                sym: Symbols) -> list[list[Hypothesis]]:
+    """Beam search with the GNMT length penalty and a per-sentence, exact early stop.
+
+    Each step scores all ``beam * vocab`` extensions of a sentence's live hypotheses at once and keeps the best
+    ``2 * beam``: the EOS ones among them are finished (at most one per beam, so at least ``beam`` others remain),
+    the best ``beam`` others stay live. A sentence leaves the batch (its rows of encoder output and cache are
+    dropped) as soon as its n-best list is final; the search ends when none is left.
+    """
+    dev = src_tokens.device
+    B, K = src_tokens.size(0), cfg.beam
+    max_len = max_lengths(src_lengths.to(dev), cfg, _max_target_positions(model))
+    enc, cache = _start(model, src_tokens, src_lengths, K)
+    T = int(max_len.max()) + 2
+    tokens = torch.full((B * K, T), sym.eos, dtype=torch.long, device=dev)  # column 0: the decoder's start EOS
+    pos_scores = torch.zeros((B * K, T), dtype=torch.float32, device=dev)
+    scores = torch.full((B, K), NEG_INF, device=dev)
+    scores[:, 0] = 0.0  # all beams start identical: keep only the first one alive at step 0
+    kth_best = torch.full((B,), NEG_INF, device=dev)
+    sent_ids = list(range(B))
+    finished = _Finished(B, cfg.nbest)
+    bonus = max(0.0, -cfg.unkpen)
+    A = B
+    arange_a = torch.arange(A, device=dev)
+    for step in range(T - 1):
+        logits = model.decode(tokens[:, step:step + 1], enc, cache)[:, -1]
+        lprobs = step_log_probs(logits, step, max_len.repeat_interleave(K), tokens[:, 1:step + 1], cfg, sym)
+        V = lprobs.size(1)
+        cand = (scores.view(-1, 1) + lprobs).view(A, K * V)
+        top_s, top_i = cand.topk(min(2 * K, K * V), dim=1)
+        top_lp = lprobs.view(A, K * V).gather(1, top_i)
+        beam_i, tok = top_i // V, top_i % V
+        is_eos = tok == sym.eos
+        fin = is_eos & (top_s > NEG_INF)
+        if bool(fin.any()):
+            local, c = fin.nonzero(as_tuple=True)
+            _finalize(finished, kth_best, sent_ids, local, local * K + beam_i[local, c], tokens, pos_scores, step,
+                      top_lp[local, c], top_s[local, c], cfg.lenpen, sym.eos)
+        C = top_s.size(1)
+        sel = (is_eos.long() * C + torch.arange(C, device=dev)).topk(K, dim=1, largest=False).indices
+        new_s, new_tok, new_lp = top_s.gather(1, sel), tok.gather(1, sel), top_lp.gather(1, sel)
+        src_rows = (arange_a * K)[:, None] + beam_i.gather(1, sel)
+        done = score_upper_bound(new_s[:, 0], step + 1, max_len, cfg.lenpen, bonus) <= kth_best
+        if bool(done.any()):
+            keep = (~done).nonzero(as_tuple=True)[0]
+            if keep.numel() == 0:
+                break
+            src_rows, new_s, new_tok, new_lp = src_rows[keep], new_s[keep], new_tok[keep], new_lp[keep]
+            kth_best, max_len = kth_best[keep], max_len[keep]
+            sent_ids = [sent_ids[i] for i in keep.tolist()]
+            A = keep.numel()
+            arange_a = torch.arange(A, device=dev)
+        order = src_rows.reshape(-1)
+        tokens = tokens[order]
+        tokens[:, step + 1] = new_tok.reshape(-1)
+        pos_scores = pos_scores[order]
+        pos_scores[:, step] = new_lp.reshape(-1)
+        scores = new_s
+        enc, cache = model.reorder(enc, cache, order)
+    return finished.hyps
+
+
+@torch.inference_mode()
+def greedy_search(model: IncrementalModel, src_tokens: Tensor, src_lengths: Tensor, cfg: SearchConfig,
+                  sym: Symbols) -> list[list[Hypothesis]]:
+    """Beam search with beam 1, without the beam bookkeeping: the same arithmetic, so exactly the same output.
+
+    As in beam search, an EOS among the two best extensions finishes a hypothesis and the best non-EOS one stays
+    live; with a length penalty that live one may still win, so the search goes on until the early-stopping bound
+    rules it out. The cache is only reordered when sentences leave the batch.
+    """
+    if cfg.nbest != 1:
+        raise ValueError("greedy search returns one hypothesis per sentence; use --beam N for --nbest N")
+    dev = src_tokens.device
+    B = src_tokens.size(0)
+    max_len = max_lengths(src_lengths.to(dev), cfg, _max_target_positions(model))
+    enc, cache = _start(model, src_tokens, src_lengths, 1)
+    T = int(max_len.max()) + 2
+    tokens = torch.full((B, T), sym.eos, dtype=torch.long, device=dev)
+    pos_scores = torch.zeros((B, T), dtype=torch.float32, device=dev)
+    scores = torch.zeros((B,), device=dev)
+    kth_best = torch.full((B,), NEG_INF, device=dev)
+    sent_ids = list(range(B))
+    finished = _Finished(B, 1)
+    bonus = max(0.0, -cfg.unkpen)
+    for step in range(T - 1):
+        logits = model.decode(tokens[:, step:step + 1], enc, cache)[:, -1]
+        lprobs = step_log_probs(logits, step, max_len, tokens[:, 1:step + 1], cfg, sym)
+        top_s, top_i = (scores.view(-1, 1) + lprobs).topk(2, dim=1)
+        top_lp = lprobs.gather(1, top_i)
+        is_eos = top_i == sym.eos
+        fin = is_eos & (top_s > NEG_INF)
+        if bool(fin.any()):
+            local, c = fin.nonzero(as_tuple=True)
+            _finalize(finished, kth_best, sent_ids, local, local, tokens, pos_scores, step, top_lp[local, c],
+                      top_s[local, c], cfg.lenpen, sym.eos)
+        pick = is_eos[:, :1].long()  # the first non-EOS of the two
+        new_s, new_tok, new_lp = top_s.gather(1, pick)[:, 0], top_i.gather(1, pick)[:, 0], top_lp.gather(1, pick)[:, 0]
+        done = score_upper_bound(new_s, step + 1, max_len, cfg.lenpen, bonus) <= kth_best
+        if bool(done.any()):
+            keep = (~done).nonzero(as_tuple=True)[0]
+            if keep.numel() == 0:
+                break
+            new_s, new_tok, new_lp = new_s[keep], new_tok[keep], new_lp[keep]
+            kth_best, max_len = kth_best[keep], max_len[keep]
+            sent_ids = [sent_ids[i] for i in keep.tolist()]
+            tokens, pos_scores = tokens[keep], pos_scores[keep]
+            enc, cache = model.reorder(enc, cache, keep)
+        tokens[:, step + 1] = new_tok
+        pos_scores[:, step] = new_lp
+        scores = new_s
+    return finished.hyps
+
+
+# ------------------------------------------------------------------------------------------------ sampling
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash (xor-shift-multiply) on int64 tensors holding values below 2**32."""
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
+    return (x >> 16) ^ x
+
+
+def _sample_keys(seed: int, sample_ids: Tensor, copy: Tensor) -> Tensor:
+    """One random stream per (seed, sentence id, sample number): independent of batching."""
+    h = _mix32(torch.full_like(sample_ids, seed & _M32))
+    h = _mix32(h ^ (sample_ids & _M32))
+    return _mix32(h ^ copy)
+
+
+def _gumbel_noise(keys: Tensor, step: int, vocab: int) -> Tensor:
+    """Gumbel(0, 1) noise (R, V) from counter-based uniforms: a pure function of (key, step, token)."""
+    h = _mix32(keys ^ step)
+    tok = (torch.arange(vocab, device=keys.device, dtype=torch.long) * 0x9E3779B1) & _M32
+    bits = _mix32(h[:, None] ^ tok[None, :]) >> 8  # 24 uniform bits: exact in float32
+    u = (bits.float() + 0.5) * (2.0 ** -24)
+    return -torch.log(-torch.log(u))
+
+
+def _filter_logits(logits: Tensor, topk: int, topp: float) -> Tensor:
+    """Keep the ``topk`` best tokens and the smallest set reaching probability ``topp``; the rest get -inf."""
+    if topk and topk < logits.size(1):
+        kth = logits.topk(topk, dim=1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, NEG_INF)
+    if topp < 1.0:
+        probs = torch.softmax(logits, dim=1)
+        sorted_p, order = probs.sort(dim=1, descending=True)
+        drop_sorted = (sorted_p.cumsum(dim=1) - sorted_p) >= topp  # the mass before this token already reaches p
+        drop_sorted[:, 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        logits = logits.masked_fill(drop, NEG_INF)
+    return logits
+
+
+@torch.inference_mode()
+def sample_search(model: IncrementalModel, src_tokens: Tensor, src_lengths: Tensor, cfg: SearchConfig, sym: Symbols,
+                  sample_ids: Tensor | None = None) -> list[list[Hypothesis]]:
+    """Draw ``cfg.beam`` samples per sentence (Gumbel-max over the filtered, tempered distribution).
+
+    Randomness is a hash of (``--seed``, sentence id, sample number, step, token), so a sentence's samples are
+    the same however the input is batched. Scores are the model's log-probabilities (``--unkpen`` applied, no
+    temperature) under the length penalty; the ``nbest`` best samples are returned.
+    """
+    dev = src_tokens.device
+    B, K = src_tokens.size(0), cfg.beam
+    ids = torch.arange(B, device=dev) if sample_ids is None else sample_ids.to(dev).long()
+    max_len = max_lengths(src_lengths.to(dev), cfg, _max_target_positions(model)).repeat_interleave(K)
+    enc, cache = _start(model, src_tokens, src_lengths, K)
+    R = B * K
+    keys = _sample_keys(cfg.seed, ids.repeat_interleave(K), torch.arange(K, device=dev).repeat(B))
+    T = int(max_len.max()) + 2
+    tokens = torch.full((R, T), sym.eos, dtype=torch.long, device=dev)
+    pos_scores = torch.zeros((R, T), dtype=torch.float32, device=dev)
+    scores = torch.zeros((R,), device=dev)
+    row_sent = [r // K for r in range(R)]
+    finished = _Finished(B, K)
+    unused = torch.full((R,), NEG_INF, device=dev)
+    for step in range(T - 1):
+        logits = model.decode(tokens[:, step:step + 1], enc, cache)[:, -1]
+        lprobs = step_log_probs(logits, step, max_len, tokens[:, 1:step + 1], cfg, sym)
+        filtered = _filter_logits(lprobs / cfg.temperature, cfg.sampling_topk, cfg.sampling_topp)
+        choice = (filtered + _gumbel_noise(keys, step, lprobs.size(1))).argmax(dim=1)
+        lp = lprobs.gather(1, choice[:, None])[:, 0]
+        new_s = scores + lp
+        is_eos = choice == sym.eos
+        if bool(is_eos.any()):
+            rows = is_eos.nonzero(as_tuple=True)[0]
+            _finalize(finished, unused, row_sent, rows, rows, tokens, pos_scores, step, lp[rows], new_s[rows],
+                      cfg.lenpen, sym.eos)
+            keep = (~is_eos).nonzero(as_tuple=True)[0]
+            if keep.numel() == 0:
+                break
+            choice, lp, new_s, keys, max_len = choice[keep], lp[keep], new_s[keep], keys[keep], max_len[keep]
+            row_sent = [row_sent[i] for i in keep.tolist()]
+            unused = unused[keep]
+            tokens, pos_scores = tokens[keep], pos_scores[keep]
+            enc, cache = model.reorder(enc, cache, keep)
+        tokens[:, step + 1] = choice
+        pos_scores[:, step] = lp
+        scores = new_s
+    return [h[: cfg.nbest] for h in finished.hyps]
