@@ -148,7 +148,7 @@ def click_options(cls, skip: tuple[str, ...] = ()) -> list[click.Option]:
             decls = [f"{option_name(name)}/--no-{name.replace('_', '-')}"]
             opts.append(click.Option(decls, default=None, help=_help(f, None)))
         else:
-            opts.append(click.Option(decls, name, type=_click_type(tp), default=None, help=_help(f, None),
+            opts.append(click.Option([*decls, name], type=_click_type(tp), default=None, help=_help(f, None),
                                      metavar=f.metadata.get("metavar")))
     return opts
 
