@@ -1,5 +1,9 @@
 """Importing this module registers every built-in component (each module's decorators run on import)."""
 
 # Keep this list in sync with the modules that call attnmt.registry.register / register_arch.
+import attnmt.criterions  # noqa: F401
+import attnmt.data.subword  # noqa: F401
 import attnmt.models.transformer  # noqa: F401
+import attnmt.optim  # noqa: F401
 import attnmt.registry  # noqa: F401
+import attnmt.tasks.translation  # noqa: F401

@@ -17,8 +17,10 @@ from attnmt.errors import UserError
 # subcommand name -> module (inside attnmt.cli) that defines ``command``
 COMMANDS = {
     "list": "list_cmd",
+    "preprocess": "preprocess",
     "score": "score",
     "average-checkpoints": "average_checkpoints",
+    "train": "train",
 }
 
 

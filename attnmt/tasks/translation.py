@@ -1,0 +1,174 @@
+"""The ``translation`` task: a DATA_BIN written by ``attnmt preprocess`` -> dictionaries, pair datasets, model.
+
+What it reads from DATA_BIN: ``dict.{src}.txt``, ``dict.{tgt}.txt``, ``{split}.{src}-{tgt}.{lang}.bin/.idx``,
+``preprocess.json`` (languages, joined dictionary, tokenizer, lowercase) and ``spm.model`` when present. The
+languages come from ``--source-lang/--target-lang``, else from preprocess.json, else from the two ``dict.*.txt``
+files. The checkpoint's ``data`` section (:meth:`TranslationTask.data_state`) copies everything inference needs,
+so a checkpoint translates raw text without the data directory.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from attnmt.config import fields_of
+from attnmt.data.pairs import LanguagePairDataset
+from attnmt.errors import UserError
+from attnmt.registry import arch_config, get, register
+
+
+@dataclass
+class TranslationConfig:
+    source_lang: str | None = field(default=None, metadata={
+        "help": "source language (default: from DATA_BIN/preprocess.json)", "aliases": ("-s",)})
+    target_lang: str | None = field(default=None, metadata={
+        "help": "target language (default: from DATA_BIN/preprocess.json)", "aliases": ("-t",)})
+    train_subset: str = field(default="train", metadata={"help": "split to train on"})
+    valid_subset: str = field(default="valid", metadata={
+        "help": "split(s) to validate on, comma-separated; the first one decides the best checkpoint"})
+
+
+def _read_meta(data_bin: Path) -> dict:
+    p = data_bin / "preprocess.json"
+    if not p.exists():
+        return {}
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{p}:{getattr(e, 'lineno', 1)}: not valid JSON ({e}); re-run attnmt preprocess") from None
+
+
+def _meta_get(meta: dict, *keys, default=None):
+    """First present key, looking in the top level and in the nested options/langs sections."""
+    for section in (meta, meta.get("options") or {}, meta.get("langs") or {}, meta.get("args") or {}):
+        if not isinstance(section, dict):
+            continue
+        for k in keys:
+            if k in section and section[k] is not None:
+                return section[k]
+    return default
+
+
+@register("task", "translation", config=TranslationConfig)
+class TranslationTask:
+    """Sentence-level translation from a binarized parallel corpus (DATA_BIN written by attnmt preprocess)."""
+
+    def __init__(self, cfg: TranslationConfig, data_bin: str | Path):
+        from attnmt.data.dictionary import Dictionary
+
+        self.cfg = cfg
+        self.data_bin = Path(data_bin)
+        if not self.data_bin.is_dir():
+            raise UserError(f"{data_bin}: no such data directory; pass the --destdir of attnmt preprocess")
+        self.meta = _read_meta(self.data_bin)
+        self.src_lang, self.tgt_lang = self._languages()
+        paths = [self.data_bin / f"dict.{lang}.txt" for lang in (self.src_lang, self.tgt_lang)]
+        for p in paths:
+            if not p.exists():
+                raise UserError(f"{p}: dictionary not found; run attnmt preprocess -s {self.src_lang} "
+                                f"-t {self.tgt_lang} --destdir {data_bin} first")
+        self.src_dict = Dictionary.load(paths[0])
+        self.tgt_dict = Dictionary.load(paths[1])
+        if (self.src_dict.pad(), self.src_dict.eos()) != (self.tgt_dict.pad(), self.tgt_dict.eos()):
+            raise UserError(f"{paths[1]}: pad/eos ids differ from {paths[0]}; re-run attnmt preprocess")
+        joined = _meta_get(self.meta, "joined_dictionary", "joined")
+        self.joint_dictionary = bool(joined) if joined is not None else self.src_dict == self.tgt_dict
+        if self.joint_dictionary and self.src_dict != self.tgt_dict:
+            raise UserError(f"{self.data_bin / 'preprocess.json'}: says the dictionary is joined but "
+                            f"{paths[0].name} and {paths[1].name} differ; re-run attnmt preprocess")
+
+    def _languages(self) -> tuple[str, str]:
+        src = self.cfg.source_lang or _meta_get(self.meta, "source_lang", "src", "source")
+        tgt = self.cfg.target_lang or _meta_get(self.meta, "target_lang", "tgt", "target")
+        if src and tgt:
+            return str(src), str(tgt)
+        langs = sorted(p.name[len("dict."):-len(".txt")] for p in self.data_bin.glob("dict.*.txt"))
+        if len(langs) != 2:
+            raise UserError(f"{self.data_bin}: cannot tell the languages (found dictionaries for {langs or 'none'}); "
+                            f"pass --source-lang and --target-lang")
+        others = [lang for lang in langs if lang not in (src, tgt)]
+        src = src or others.pop(0)
+        tgt = tgt or others.pop(0)
+        return str(src), str(tgt)
+
+    # ------------------------------------------------------------------------------------------------ data
+
+    @property
+    def pad(self) -> int:
+        return self.tgt_dict.pad()
+
+    def split_prefix(self, split: str, lang: str) -> Path:
+        return self.data_bin / f"{split}.{self.src_lang}-{self.tgt_lang}.{lang}"
+
+    def dataset(self, split: str) -> LanguagePairDataset:
+        """The binarized ``split`` as (source, target) pairs."""
+        from attnmt.data.indexed import IndexedDataset, exists
+
+        prefixes = [self.split_prefix(split, lang) for lang in (self.src_lang, self.tgt_lang)]
+        for p in prefixes:
+            if not exists(str(p)):
+                raise UserError(f"{p}.bin/.idx: split '{split}' not found in {self.data_bin}; binarize it with "
+                                f"attnmt preprocess (--trainpref/--validpref) or choose another --train-subset/"
+                                f"--valid-subset")
+        src, tgt = IndexedDataset(str(prefixes[0])), IndexedDataset(str(prefixes[1]))
+        if len(src) != len(tgt):
+            raise UserError(f"{prefixes[1]}.idx: {len(tgt)} sentences but {prefixes[0]}.idx has {len(src)}; "
+                            f"re-run attnmt preprocess")
+        return LanguagePairDataset(src, tgt, pad=self.src_dict.pad(), eos=self.src_dict.eos())
+
+    def valid_subsets(self) -> list[str]:
+        return [s.strip() for s in self.cfg.valid_subset.split(",") if s.strip()]
+
+    def data_state(self) -> dict:
+        """The checkpoint's ``data`` section: what inference needs without DATA_BIN."""
+        spm = self.data_bin / "spm.model"
+        bpe = str(_meta_get(self.meta, "bpe", default="sentencepiece" if spm.exists() else "none"))
+        bpe_model = None
+        if spm.exists():
+            bpe_model = torch.frombuffer(bytearray(spm.read_bytes()), dtype=torch.uint8).clone()
+        return {
+            "source_lang": self.src_lang, "target_lang": self.tgt_lang,
+            "joint_dictionary": bool(self.joint_dictionary),
+            "src_dict": self.src_dict.to_state(), "tgt_dict": self.tgt_dict.to_state(),
+            "src_dict_sha256": self.src_dict.checksum(), "tgt_dict_sha256": self.tgt_dict.checksum(),
+            "bpe": bpe, "bpe_model": bpe_model,
+            "tokenizer": str(_meta_get(self.meta, "tokenizer", default="none")),
+            "lowercase": bool(_meta_get(self.meta, "lowercase", default=False)),
+        }
+
+    # ------------------------------------------------------------------------------------------------ model
+
+    def model_config(self, arch: str, overrides: dict) -> tuple[str, object, list[str]]:
+        """(model name, config, notes) for ``--arch`` plus the user's options.
+
+        With a joined dictionary the embeddings are shared (paper 3.4) unless the user says
+        ``--no-share-all-embeddings`` or the widths differ; without one, a preset's sharing is turned off.
+        """
+        model_name = get("arch", arch).model
+        model_cls = get("model", model_name).config
+        notes: list[str] = []
+        overrides = dict(overrides)
+        cfg = arch_config(arch, overrides)
+        if "share_all_embeddings" in fields_of(model_cls) and "share_all_embeddings" not in overrides:
+            same_dim = getattr(cfg, "encoder_embed_dim", 0) == getattr(cfg, "decoder_embed_dim", 0)
+            want = self.joint_dictionary and same_dim
+            if want != cfg.share_all_embeddings:
+                overrides["share_all_embeddings"] = want
+                cfg = arch_config(arch, overrides)
+                notes.append("sharing all embeddings (joined dictionary)" if want else
+                             "not sharing embeddings: the dictionaries are not joined")
+        return model_name, cfg, notes
+
+    def build_model(self, model_name: str, cfg) -> torch.nn.Module:
+        model_cls = get("model", model_name).obj
+        return model_cls.build(cfg, len(self.src_dict), len(self.tgt_dict), self.src_dict.pad(),
+                               joint_vocab=self.joint_dictionary)
+
+    def build_criterion(self, name: str, cfg):
+        from attnmt.criterions import build_criterion
+
+        return build_criterion(name, cfg, self.tgt_dict.pad())

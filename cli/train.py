@@ -1,0 +1,92 @@
+"""``attnmt train DATA_BIN --arch ARCH --save-dir DIR [options]``: train a model, or resume one.
+
+The options are the fields of the loop's ``TrainConfig`` and of the configs of every registered task, model,
+criterion, optimizer and LR scheduler (plugins included). Each typed option goes to the component(s) that own it;
+an option that no CHOSEN component owns is an error naming the component it belongs to.
+"""
+
+from __future__ import annotations
+
+import os
+
+import click
+
+from attnmt import registry
+from attnmt.config import add_options, given_options, make_config, option_name, split_given
+from attnmt.errors import UserError
+from attnmt.training.loop import Setup, TrainConfig, train
+
+KIND_OPTION = {"task": "--task", "criterion": "--criterion", "optimizer": "--optimizer",
+               "lr_scheduler": "--lr-scheduler"}
+DEFAULTS = {"task": "translation", "criterion": "label_smoothed_cross_entropy", "optimizer": "adam",
+            "lr_scheduler": "inverse_sqrt"}
+
+
+def _configs(kind: str) -> list[type]:
+    return [e.config for e in registry.REGISTRIES[kind].entries.values() if e.config is not None]
+
+
+def _owner(option: str) -> str:
+    """Which registered component(s) an option belongs to (for the error message)."""
+    from attnmt.config import fields_of
+
+    owners = []
+    for kind in ("task", "model", "criterion", "optimizer", "lr_scheduler"):
+        for name, e in registry.REGISTRIES[kind].entries.items():
+            if e.config is not None and option in fields_of(e.config):
+                owners.append(f"{kind.replace('_', ' ')} {name}")
+    return ", ".join(owners) or "no component"
+
+
+def _callback(data_bin: str, arch: str, **params) -> None:
+    names = {k: params.pop(k) or DEFAULTS[k] for k in KIND_OPTION}
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UserError("attnmt train runs as a single process; launch it without torchrun (WORLD_SIZE > 1)")
+    model_name = registry.get("arch", arch).model
+    entries = {k: registry.get(k, v) for k, v in names.items()}
+    classes = {"train": TrainConfig, "model": registry.get("model", model_name).config,
+               **{k: e.config for k, e in entries.items()}}
+    per, leftovers = split_given(given_options(params), classes)
+    if leftovers:
+        chosen = (f"--arch {arch}, " + ", ".join(f"{KIND_OPTION[k]} {v}" for k, v in names.items()))
+        raise UserError("; ".join(f"{option_name(k)} does not apply to the chosen components ({chosen}): it is an "
+                                  f"option of {_owner(k)}" for k in leftovers) + "; remove it or choose that component")
+
+    def cfg(key: str, what: str):
+        cls = classes[key]
+        return make_config(cls, per[key], what=what) if cls is not None else None
+
+    train_cfg = cfg("train", "attnmt train")
+    setup = Setup(
+        task=names["task"], task_cfg=cfg("task", f"--task {names['task']}"),
+        arch=arch, model_overrides=per["model"],
+        criterion=names["criterion"], criterion_cfg=cfg("criterion", f"--criterion {names['criterion']}"),
+        optimizer=names["optimizer"], optimizer_cfg=cfg("optimizer", f"--optimizer {names['optimizer']}"),
+        lr_scheduler=names["lr_scheduler"],
+        lr_scheduler_cfg=cfg("lr_scheduler", f"--lr-scheduler {names['lr_scheduler']}"),
+    )
+    try:
+        train(data_bin, setup, train_cfg)
+    except FloatingPointError as e:
+        raise UserError(str(e)) from None
+
+
+def build_command() -> click.Command:
+    params = [
+        click.Argument(["data_bin"], metavar="DATA_BIN"),
+        click.Option(["--arch", "-a"], required=True, metavar="ARCH",
+                     help=f"named architecture: {', '.join(registry.choices('arch')) or '(none registered)'}"),
+    ]
+    for kind, opt in KIND_OPTION.items():
+        params.append(click.Option([opt], default=None, metavar="NAME",
+                                   help=f"{kind.replace('_', ' ')}: {', '.join(registry.choices(kind))} "
+                                        f"[default: {DEFAULTS[kind]}]"))
+    cmd = click.Command("train", callback=_callback, params=params,
+                        help="Train a model on DATA_BIN (written by attnmt preprocess); running the same command "
+                             "again resumes from SAVE_DIR/checkpoint_last.pt.")
+    classes = [TrainConfig, *_configs("task"), *_configs("model"),
+               *_configs("criterion"), *_configs("optimizer"), *_configs("lr_scheduler")]
+    return add_options(cmd, classes)
+
+
+command = build_command()
