@@ -189,3 +189,28 @@ def test_cli_end_to_end_and_errors(tmp_path, capsys):
 
     code, _, err = run(["average-checkpoints", "--inputs", paths[0], "--output", paths[0]], capsys)
     assert code == 1 and "is also an input" in err
+
+
+def test_real_transformer_state_dicts_average_and_load(tmp_path):
+    from attnmt.config import make_config, to_dict
+    from attnmt.models.transformer import TransformerConfig, TransformerModel
+
+    cfg = make_config(TransformerConfig, dict(encoder_layers=1, decoder_layers=1, encoder_embed_dim=16,
+                                              decoder_embed_dim=16, encoder_ffn_embed_dim=32,
+                                              decoder_ffn_embed_dim=32, encoder_attention_heads=2,
+                                              decoder_attention_heads=2))
+    models, paths = [], []
+    for seed in range(2):
+        torch.manual_seed(seed)
+        model = TransformerModel.build(cfg, 20, 20, 1, joint_vocab=True)
+        ck = fake_checkpoint(seed)
+        ck["model"], ck["model_config"] = model.state_dict(), to_dict(cfg)
+        models.append(model)
+        paths.append(save(ck, tmp_path / f"checkpoint_1_{seed + 1}.pt"))
+    avg = average_to_file(paths, tmp_path / "avg.pt")
+    fresh = TransformerModel.build(cfg, 20, 20, 1, joint_vocab=True)
+    fresh.load_state_dict(torch.load(tmp_path / "avg.pt", weights_only=True)["model"], strict=True)
+    for name, p in fresh.named_parameters():
+        mean = (dict(models[0].named_parameters())[name].double() + dict(models[1].named_parameters())[name].double()) / 2
+        torch.testing.assert_close(p.detach(), mean.float(), rtol=0, atol=0)
+    assert avg["model_config"] == to_dict(cfg)
