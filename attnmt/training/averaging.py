@@ -285,9 +285,10 @@ def average_checkpoints(paths: Sequence[str | os.PathLike], log: Log | None = No
 
 
 def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
-    return a == b
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype and bool(torch.equal(a, b)))
+    return bool(a == b)
 
 
 def average_to_file(paths: Sequence[str | os.PathLike], output: str | os.PathLike, log: Log | None = None) -> dict:
