@@ -1,0 +1,251 @@
+"""Memory-mapped datasets of token-id sequences: ``PREFIX.bin`` (the ids) and ``PREFIX.idx`` (where each is).
+
+Nothing is read into RAM: sizes, offsets and ids are ``numpy.memmap`` views, so a many-GB training set opens
+instantly and is shared between data-loader workers through the page cache.
+
+``PREFIX.bin``: all sequences back to back, each id stored little-endian in the narrowest dtype that holds the
+vocabulary (``best_dtype``): uint8, uint16 or int32.
+
+``PREFIX.idx`` (all integers little-endian)::
+
+    offset  size            field
+    0       8               magic  b"ATNMIDX\\0"
+    8       4   uint32      version (1)
+    12      1   uint8       dtype code of .bin: 1 = uint8, 2 = uint16, 3 = int32
+    13      3               reserved, zero
+    16      8   uint64      count: number of sequences
+    24      8   uint64      total number of ids in .bin (a truncated .bin is detected on open)
+    32      4*count int32   sizes[count]: length of each sequence
+    ...     0 or 4          zero padding so that offsets start on an 8-byte boundary
+    ...     8*count int64   offsets[count]: where each sequence starts in .bin, counted in ids (not bytes)
+
+So sequence ``i`` is ``bin[offsets[i] : offsets[i] + sizes[i]]``, readable with nothing but numpy::
+
+    count = int(np.frombuffer(idx_bytes, "<u8", 1, 16)[0])
+    sizes = np.memmap(prefix + ".idx", "<i4", "r", offset=32, shape=(count,))
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import struct
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from attnmt.errors import UserError
+from attnmt.fileio import atomic_open
+
+MAGIC = b"ATNMIDX\x00"
+VERSION = 1
+HEADER = struct.Struct("<8sIB3xQQ")  # magic, version, dtype code, count, total ids (32 bytes)
+assert HEADER.size == 32
+
+_DTYPES = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 3: np.dtype("<i4")}
+_CODES = {v: k for k, v in _DTYPES.items()}
+
+
+def best_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest dtype that holds ids ``0 .. vocab_size - 1``: uint8, uint16 or int32."""
+    if vocab_size <= 1 << 8:
+        return np.dtype(np.uint8)
+    if vocab_size <= 1 << 16:
+        return np.dtype(np.uint16)
+    if vocab_size <= 1 << 31:
+        return np.dtype(np.int32)
+    raise ValueError(f"vocabulary of {vocab_size} symbols does not fit int32 ids")
+
+
+def _code(dtype: np.dtype) -> int:
+    return _CODES[np.dtype(dtype).newbyteorder("<")]
+
+
+def offsets_start(count: int) -> int:
+    """Byte position of ``offsets`` in ``.idx`` (after the sizes, aligned to 8 bytes)."""
+    pos = HEADER.size + 4 * count
+    return pos + (-pos) % 8
+
+
+def bin_path(prefix: str | os.PathLike) -> str:
+    return f"{prefix}.bin"
+
+
+def idx_path(prefix: str | os.PathLike) -> str:
+    return f"{prefix}.idx"
+
+
+def exists(prefix: str | os.PathLike) -> bool:
+    return os.path.isfile(bin_path(prefix)) and os.path.isfile(idx_path(prefix))
+
+
+class IndexedDatasetBuilder:
+    """Appends sequences to ``PREFIX.bin`` (through a temp file) and writes ``PREFIX.idx`` on ``finalize``.
+
+    Both files appear under their final names only when ``finalize`` succeeds.
+    """
+
+    FLUSH_IDS = 1 << 20
+
+    def __init__(self, prefix: str | os.PathLike, vocab_size: int):
+        self.prefix = str(prefix)
+        self.vocab_size = int(vocab_size)
+        self.dtype = best_dtype(self.vocab_size).newbyteorder("<")
+        Path(self.prefix).parent.mkdir(parents=True, exist_ok=True)
+        fd, self._tmp_bin = tempfile.mkstemp(prefix=f".{Path(self.prefix).name}.", suffix=".bin.tmp",
+                                             dir=Path(self.prefix).parent)
+        self._bin = os.fdopen(fd, "wb")
+        self._sizes = array.array("i")
+        self._pending = array.array("q")
+        self._total = 0
+        self._done = False
+
+    def add(self, ids) -> None:
+        """Append one sequence of ids (a list, numpy array or 1-d tensor)."""
+        if hasattr(ids, "tolist") and not isinstance(ids, list):
+            ids = ids.tolist()
+        self._pending.extend(ids)
+        self._sizes.append(len(ids))
+        if len(self._pending) >= self.FLUSH_IDS:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        a = np.frombuffer(self._pending, dtype=np.int64)
+        lo, hi = int(a.min()), int(a.max())
+        if lo < 0 or hi >= self.vocab_size:
+            raise ValueError(f"{self.prefix}: id {lo if lo < 0 else hi} is outside the vocabulary 0..{self.vocab_size - 1}")
+        self._bin.write(a.astype(self.dtype).tobytes())
+        self._total += len(a)
+        self._pending = array.array("q")
+
+    def merge(self, other_prefix: str | os.PathLike) -> None:
+        """Append every sequence of another finished dataset (same dtype), e.g. the part written by a worker."""
+        other = IndexedDataset(other_prefix)
+        if other.dtype != self.dtype:
+            raise ValueError(f"cannot merge {other_prefix} ({other.dtype}) into {self.prefix} ({self.dtype})")
+        self._flush()
+        with open(bin_path(other_prefix), "rb") as f:
+            while True:
+                chunk = f.read(1 << 24)
+                if not chunk:
+                    break
+                self._bin.write(chunk)
+        self._total += int(other.sizes.sum(dtype=np.int64))
+        self._sizes.frombytes(np.ascontiguousarray(other.sizes, dtype=np.int32).tobytes())
+
+    def finalize(self) -> None:
+        """Write ``.idx`` and move ``.bin`` into place."""
+        self._flush()
+        self._bin.flush()
+        os.fsync(self._bin.fileno())
+        self._bin.close()
+        sizes = np.frombuffer(self._sizes, dtype=np.int32).astype("<i4") if self._sizes else np.zeros(0, "<i4")
+        count = len(sizes)
+        offsets = np.zeros(count, dtype="<i8")
+        if count > 1:
+            np.cumsum(sizes[:-1], dtype=np.int64, out=offsets[1:])
+        os.replace(self._tmp_bin, bin_path(self.prefix))
+        with atomic_open(idx_path(self.prefix), "wb") as f:
+            f.write(HEADER.pack(MAGIC, VERSION, _code(self.dtype), count, self._total))
+            f.write(sizes.tobytes())
+            f.write(b"\0" * (offsets_start(count) - HEADER.size - 4 * count))
+            f.write(offsets.tobytes())
+        self._done = True
+
+    def discard(self) -> None:
+        """Remove the temp file of an unfinished dataset."""
+        if not self._bin.closed:
+            self._bin.close()
+        if not self._done and os.path.exists(self._tmp_bin):
+            os.unlink(self._tmp_bin)
+
+    def __enter__(self) -> IndexedDatasetBuilder:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None and not self._done:
+            self.finalize()
+        self.discard()
+
+    def __del__(self):
+        try:
+            self.discard()
+        except Exception:
+            pass
+
+
+class IndexedDataset:
+    """Read-only view of ``PREFIX.bin``/``PREFIX.idx``; ``ds[i]`` is a numpy view of sequence ``i``.
+
+    Picklable (it reopens the files), so it can go to data-loader worker processes.
+    """
+
+    def __init__(self, prefix: str | os.PathLike):
+        self.prefix = str(prefix)
+        self._open()
+
+    def _open(self) -> None:
+        ip, bp = idx_path(self.prefix), bin_path(self.prefix)
+        missing = [p for p in (ip, bp) if not os.path.isfile(p)]
+        if missing:
+            raise UserError(f"{' and '.join(missing)}: not found; run attnmt preprocess to create the "
+                            f"binarized dataset, or check --data / the split name")
+        idx_size = os.path.getsize(ip)
+        if idx_size < HEADER.size:
+            raise UserError(f"{ip}: truncated index ({idx_size} bytes); re-run attnmt preprocess")
+        with open(ip, "rb") as f:
+            magic, version, code, count, total = HEADER.unpack(f.read(HEADER.size))
+        if magic != MAGIC:
+            raise UserError(f"{ip}: not an attnmt indexed dataset (bad magic {magic!r}); "
+                            f"binarize the data with attnmt preprocess")
+        if version != VERSION:
+            raise UserError(f"{ip}: index format version {version} is not supported (expected {VERSION}); "
+                            f"re-run attnmt preprocess with this version of attnmt")
+        if code not in _DTYPES:
+            raise UserError(f"{ip}: unknown dtype code {code}; the file is corrupt, re-run attnmt preprocess")
+        self.dtype = _DTYPES[code]
+        expect_idx = offsets_start(count) + 8 * count
+        if idx_size != expect_idx:
+            raise UserError(f"{ip}: size {idx_size} bytes, expected {expect_idx} for {count} sequences; "
+                            f"the file is truncated or corrupt, re-run attnmt preprocess")
+        bin_size = os.path.getsize(bp)
+        if bin_size != total * self.dtype.itemsize:
+            raise UserError(f"{bp}: size {bin_size} bytes, expected {total * self.dtype.itemsize} "
+                            f"({total} ids); the file is truncated or corrupt, re-run attnmt preprocess")
+        self._count, self._total = count, total
+        if count:
+            self.sizes = np.memmap(ip, dtype="<i4", mode="r", offset=HEADER.size, shape=(count,))
+            self.offsets = np.memmap(ip, dtype="<i8", mode="r", offset=offsets_start(count), shape=(count,))
+        else:
+            self.sizes, self.offsets = np.zeros(0, "<i4"), np.zeros(0, "<i8")
+        # numpy cannot map an empty file
+        self._data = np.memmap(bp, dtype=self.dtype, mode="r") if total else np.zeros(0, self.dtype)
+
+    def __len__(self) -> int:
+        return self._count
+
+    @property
+    def num_tokens_total(self) -> int:
+        return self._total
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if i < 0:
+            i += self._count
+        if not 0 <= i < self._count:
+            raise IndexError(f"index {i} out of range for {self._count} sequences in {self.prefix}")
+        start = int(self.offsets[i])
+        return self._data[start: start + int(self.sizes[i])]
+
+    def __iter__(self):
+        for i in range(self._count):
+            yield self[i]
+
+    def __getstate__(self) -> dict:
+        return {"prefix": self.prefix}
+
+    def __setstate__(self, state: dict) -> None:
+        self.prefix = state["prefix"]
+        self._open()

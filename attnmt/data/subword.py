@@ -1,0 +1,293 @@
+"""Text normalisation and subword segmentation: raw text <-> space-separated pieces.
+
+Two registered kinds, each with a ``none`` pass-through:
+
+* ``tokenizer`` (``moses``, ``none``): word-level tokenisation before subwords, undone after decoding.
+* ``bpe`` (``sentencepiece``, ``none``): subword segmentation. ``sentencepiece`` learns one joint BPE model on
+  both languages, which lets source and target share one dictionary and one embedding matrix.
+
+``TextPipeline`` chains them (strip -> tokenizer -> lowercase -> bpe) and is what both ``attnmt preprocess``
+and inference use, so a sentence typed at ``attnmt translate`` is segmented exactly as the training data was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from attnmt.errors import UserError
+from attnmt.registry import get, register
+
+# ----------------------------------------------------------------------------------------------- tokenizers
+
+
+@dataclass
+class MosesTokenizerConfig:
+    lang: str = field(default="en", metadata={"help": "language code for Moses' language-specific rules"})
+
+
+@register("tokenizer", "moses", config=MosesTokenizerConfig)
+class MosesTokenizer:
+    """Moses tokenizer/detokenizer (sacremoses), no XML escaping."""
+
+    def __init__(self, lang: str = "en"):
+        from sacremoses import MosesDetokenizer
+        from sacremoses import MosesTokenizer as _Tok
+
+        self.lang = lang
+        self._tok = _Tok(lang=lang)
+        self._detok = MosesDetokenizer(lang=lang)
+
+    def encode(self, text: str) -> str:
+        return self._tok.tokenize(text, escape=False, return_str=True)
+
+    def decode(self, text: str) -> str:
+        return self._detok.detokenize(text.split(), return_str=True)
+
+
+@dataclass
+class NoTokenizerConfig:
+    lang: str = field(default="en", metadata={"help": "unused; accepted for a uniform interface"})
+
+
+@register("tokenizer", "none", config=NoTokenizerConfig)
+class NoTokenizer:
+    """No tokenisation: text passes through unchanged."""
+
+    def __init__(self, lang: str = "en"):
+        self.lang = lang
+
+    def encode(self, text: str) -> str:
+        return text
+
+    def decode(self, text: str) -> str:
+        return text
+
+
+def build_tokenizer(name: str, lang: str):
+    """The registered tokenizer ``name`` for language ``lang`` (UserError listing the choices if unknown)."""
+    return get("tokenizer", name).obj(lang=lang)
+
+
+# ----------------------------------------------------------------------------------------------- BPE
+
+
+@dataclass
+class SentencePieceConfig:
+    vocab_size: int = field(default=8000, metadata={"help": "number of SentencePiece pieces to learn"})
+    max_sentences: int = field(default=1_000_000, metadata={
+        "help": "train on at most this many sentences (a fixed-seed sample of both languages)"})
+    character_coverage: float = field(default=1.0, metadata={"help": "fraction of characters the model covers"})
+    normalization_rule_name: str = field(default="nmt_nfkc", metadata={
+        "help": "SentencePiece normalisation applied before segmentation (nmt_nfkc, nfkc, identity, ...)"})
+    seed: int = field(default=1, metadata={"help": "seed of the sentence sample"})
+    num_threads: int = field(default=4, metadata={
+        "help": "trainer threads; stored in the model file, so fixed for byte-identical models everywhere"})
+
+
+@register("bpe", "sentencepiece", config=SentencePieceConfig)
+class SentencePieceBPE:
+    """Joint SentencePiece BPE model (model_type=bpe), deterministic training."""
+
+    def __init__(self, processor, model_bytes: bytes):
+        self._sp = processor
+        self._bytes = model_bytes
+        self.training_sentences: int | None = None  # set by train()
+
+    # ---- construction
+    @classmethod
+    def train(cls, files: list[str], vocab_size: int, model_path_prefix: str, max_sentences: int = 1_000_000,
+              cfg: SentencePieceConfig | None = None) -> SentencePieceBPE:
+        """Learn a BPE model on the lines of ``files``; write ``model_path_prefix.model``; return it loaded.
+
+        When the files hold more than ``max_sentences`` non-empty lines, a sample of that many is drawn with a
+        fixed seed (here, not inside SentencePiece, whose own sampling is not reproducible); the trainer is
+        then never asked to sample, so the model is identical run to run.
+        """
+        import sentencepiece as spm
+
+        cfg = cfg or SentencePieceConfig(vocab_size=vocab_size, max_sentences=max_sentences)
+        prefix = Path(model_path_prefix)
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=prefix.parent, prefix=".spm-train.") as tmp:
+            sample = os.path.join(tmp, "sample.txt")
+            n = _write_sample(files, sample, max_sentences, cfg.seed)
+            if n == 0:
+                raise UserError(f"{', '.join(map(str, files))}: no non-empty lines to learn SentencePiece from; "
+                                f"check the training files")
+            try:
+                spm.SentencePieceTrainer.train(
+                    input=sample, model_prefix=str(prefix), vocab_size=vocab_size, model_type="bpe",
+                    character_coverage=cfg.character_coverage, input_sentence_size=max_sentences,
+                    shuffle_input_sentence=True, num_threads=cfg.num_threads,
+                    normalization_rule_name=cfg.normalization_rule_name,
+                    unk_id=0, bos_id=-1, eos_id=-1, pad_id=-1, minloglevel=2,
+                )
+            except (RuntimeError, OSError) as e:
+                msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+                raise UserError(f"SentencePiece training on {n} sentences failed: {msg}; "
+                                f"lower --vocab-size or give more training data") from None
+        vocab = Path(f"{prefix}.vocab")
+        if vocab.exists():
+            vocab.unlink()  # the piece list lives in the model; dict.*.txt is the vocabulary attnmt uses
+        model = cls.load(f"{prefix}.model")
+        model.training_sentences = n
+        return model
+
+    @classmethod
+    def load(cls, model_path: str | os.PathLike) -> SentencePieceBPE:
+        try:
+            data = Path(model_path).read_bytes()
+        except FileNotFoundError:
+            raise UserError(f"{model_path}: SentencePiece model not found; pass the spm.model written by "
+                            f"attnmt preprocess") from None
+        return cls.from_bytes(data, what=str(model_path))
+
+    @classmethod
+    def from_bytes(cls, data: bytes, what: str = "SentencePiece model") -> SentencePieceBPE:
+        """Rebuild from ``model_bytes()`` (e.g. stored inside a checkpoint)."""
+        import sentencepiece as spm
+
+        sp = spm.SentencePieceProcessor()
+        try:
+            sp.LoadFromSerializedProto(data)
+        except (RuntimeError, OSError, TypeError) as e:
+            raise UserError(f"{what}: not a valid SentencePiece model ({e}); pass the spm.model written by "
+                            f"attnmt preprocess") from None
+        return cls(sp, bytes(data))
+
+    # ---- use
+    def encode(self, text: str) -> str:
+        return " ".join(self._sp.encode(text, out_type=str))
+
+    def encode_batch(self, lines: list[str], num_threads: int = -1) -> list[str]:
+        """``encode`` for many lines at once (SentencePiece's C++ batch, multi-threaded)."""
+        return [" ".join(p) for p in self._sp.encode(lines, out_type=str, num_threads=num_threads)]
+
+    def decode(self, pieces: str) -> str:
+        return self._sp.decode(pieces.split())
+
+    def model_bytes(self) -> bytes:
+        return self._bytes
+
+    def piece_size(self) -> int:
+        return self._sp.get_piece_size()
+
+    def pieces(self) -> list[str]:
+        return [self._sp.id_to_piece(i) for i in range(self._sp.get_piece_size())]
+
+
+def _write_sample(files: list[str], out: str, max_sentences: int, seed: int) -> int:
+    """Write the non-empty lines of ``files`` (all of them, or a fixed-seed sample of ``max_sentences``)."""
+    import numpy as np
+
+    def lines():
+        for p in files:
+            with open(p, encoding="utf-8") as f:
+                for line in f:
+                    line = line.strip()
+                    if line:
+                        yield line
+
+    total = sum(1 for _ in lines())
+    keep = None
+    if max_sentences > 0 and total > max_sentences:
+        keep = np.zeros(total, dtype=bool)
+        keep[np.random.default_rng(seed).choice(total, size=max_sentences, replace=False)] = True
+    n = 0
+    with open(out, "w", encoding="utf-8") as f:
+        for i, line in enumerate(lines()):
+            if keep is None or keep[i]:
+                f.write(line + "\n")
+                n += 1
+    return n
+
+
+@dataclass
+class NoBPEConfig:
+    pass
+
+
+@register("bpe", "none", config=NoBPEConfig)
+class NoBPE:
+    """No subword model: the text is already segmented; pieces are its whitespace-separated tokens."""
+
+    @classmethod
+    def train(cls, files: list[str], vocab_size: int, model_path_prefix: str, max_sentences: int = 0,
+              cfg: object = None) -> NoBPE:
+        return cls()
+
+    @classmethod
+    def load(cls, model_path: str | os.PathLike | None = None) -> NoBPE:
+        return cls()
+
+    @classmethod
+    def from_bytes(cls, data: bytes = b"", what: str = "") -> NoBPE:
+        return cls()
+
+    def encode(self, text: str) -> str:
+        return " ".join(text.split())
+
+    def encode_batch(self, lines: list[str], num_threads: int = -1) -> list[str]:
+        return [" ".join(s.split()) for s in lines]
+
+    def decode(self, pieces: str) -> str:
+        return " ".join(pieces.split())
+
+    def model_bytes(self) -> bytes:
+        return b""
+
+
+# ----------------------------------------------------------------------------------------------- pipeline
+
+
+class TextPipeline:
+    """raw text -> pieces (strip, tokenize, optionally lowercase, segment) and pieces -> text (the inverse).
+
+    Lowercasing cannot be undone: ``decode`` then returns lowercased text.
+    """
+
+    def __init__(self, tokenizer=None, bpe=None, lowercase: bool = False):
+        self.tokenizer = tokenizer or NoTokenizer()
+        self.bpe = bpe or NoBPE()
+        self.lowercase = lowercase
+
+    def normalize(self, line: str) -> str:
+        """What the subword model sees: stripped, tokenized, maybe lowercased text."""
+        text = self.tokenizer.encode(line.strip())
+        return text.lower() if self.lowercase else text
+
+    def encode(self, line: str) -> str:
+        return self.bpe.encode(self.normalize(line))
+
+    def encode_batch(self, lines: list[str], num_threads: int = -1) -> list[str]:
+        return self.bpe.encode_batch([self.normalize(s) for s in lines], num_threads=num_threads)
+
+    def decode(self, pieces: str) -> str:
+        return self.tokenizer.decode(self.bpe.decode(pieces))
+
+    @classmethod
+    def from_data_dir(cls, data_dir: str | os.PathLike, lang: str) -> TextPipeline:
+        """The pipeline ``attnmt preprocess`` used for language ``lang`` of ``data_dir`` (reads preprocess.json)."""
+        meta_path = Path(data_dir) / "preprocess.json"
+        try:
+            meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise UserError(f"{meta_path}: not found; point to a directory written by attnmt preprocess") from None
+        except json.JSONDecodeError as e:
+            raise UserError(f"{meta_path}:{e.lineno}: invalid JSON ({e.msg}); re-run attnmt preprocess") from None
+        return cls.from_meta(meta, lang, data_dir)
+
+    @classmethod
+    def from_meta(cls, meta: dict, lang: str, data_dir: str | os.PathLike) -> TextPipeline:
+        langs = meta["langs"]
+        if lang not in langs.values():
+            raise UserError(f"{Path(data_dir) / 'preprocess.json'}: language '{lang}' was not preprocessed "
+                            f"(languages: {', '.join(langs.values())})")
+        bpe_cls = get("bpe", meta["bpe"]).obj
+        bpe = bpe_cls.load(Path(data_dir) / meta["bpe_model"]) if meta.get("bpe_model") else bpe_cls.load()
+        tokenizer = build_tokenizer(meta["tokenizer"], lang)
+        return cls(tokenizer, bpe, lowercase=bool(meta.get("lowercase", False)))
