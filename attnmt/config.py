@@ -144,8 +144,12 @@ def click_options(cls, skip: tuple[str, ...] = ()) -> list[click.Option]:
             continue
         base, _ = _unwrap_optional(tp)
         decls = [option_name(name)] + list(f.metadata.get("aliases", ()))
-        if base is bool:
-            decls = [f"{option_name(name)}/--no-{name.replace('_', '-')}"]
+        if base is bool and name.startswith("no_"):
+            # a negative field (no_scale_embedding) is a plain flag: --no-scale-embedding
+            opts.append(click.Option([option_name(name), name], is_flag=True, flag_value=True, default=None,
+                                     help=_help(f, None)))
+        elif base is bool:
+            decls = [f"{option_name(name)}/--no-{name.replace('_', '-')}", name]
             opts.append(click.Option(decls, default=None, help=_help(f, None)))
         else:
             opts.append(click.Option([*decls, name], type=_click_type(tp), default=None, help=_help(f, None),

@@ -159,3 +159,29 @@ def test_entry_point_plugin_is_loaded(tmp_path, monkeypatch):
     assert registry.get("criterion", "weird_loss").description == "Cross-entropy, but weird (plugin test)."
     del registry.REGISTRIES["criterion"].entries["weird_loss"]
     sys.modules.pop("weird_pkg", None)
+
+
+def test_click_options_map_fields_to_flags():
+    import click
+    from click.testing import CliRunner
+
+    from attnmt.config import add_options, given_options
+
+    @dataclass
+    class FlagConfig:
+        share_all_embeddings: bool = False
+        no_scale_embedding: bool = False
+        encoder_layers: int = 6
+
+    seen = {}
+
+    @click.command()
+    def cmd(**kw):
+        seen.update(given_options(kw))
+
+    add_options(cmd, [FlagConfig])
+    r = CliRunner().invoke(cmd, ["--no-share-all-embeddings", "--no-scale-embedding", "--encoder-layers", "3"])
+    assert r.exit_code == 0, r.output
+    assert seen == {"share_all_embeddings": False, "no_scale_embedding": True, "encoder_layers": 3}
+    seen.clear()
+    assert CliRunner().invoke(cmd, []).exit_code == 0 and seen == {}  # nothing typed, nothing overridden
