@@ -219,7 +219,7 @@ class InputEmbedding(nn.Module):
 
 
 def token_embedding(num_embeddings: int, dim: int, pad_idx: int) -> nn.Embedding:
-    """N(0, d^-1/2) init: after the sqrt(d) scaling, embeddings have unit variance like the sinusoids."""
+    """N(0, d^-1/2) init: after the sqrt(d) scaling, token vectors have unit-scale entries, comparable to the sinusoids (in [-1, 1])."""
     emb = nn.Embedding(num_embeddings, dim, padding_idx=pad_idx)
     nn.init.normal_(emb.weight, mean=0.0, std=dim**-0.5)
     with torch.no_grad():
