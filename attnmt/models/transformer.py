@@ -297,12 +297,29 @@ class MultiHeadAttention(nn.Module):
         k, v = self.kv_proj(memory).chunk(2, dim=-1)
         return self._split_heads(k).contiguous(), self._split_heads(v).contiguous()
 
+    def combine_heads(self, out: Tensor) -> Tensor:
+        """Concat(head_1..head_h) W^O: (B, H, T, Dh) -> (B, T, D)."""
+        B, H, T, Dh = out.shape
+        return self.out_proj(out.transpose(1, 2).reshape(B, T, H * Dh))
+
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
         """Concat(head_1..head_h) W^O with head_i = Attention(Q_i, K_i, V_i). Returns (B, T, D)."""
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                              dropout_p=self.dropout if self.training else 0.0)  # (B, H, T, Dh)
-        B, H, T, Dh = out.shape
-        return self.out_proj(out.transpose(1, 2).reshape(B, T, H * Dh))  # (B, T, D)
+        return self.combine_heads(out)  # (B, T, D)
+
+    @staticmethod
+    def attention_weights(q: Tensor, k: Tensor, mask: Tensor | None = None) -> Tensor:
+        """softmax(Q K^T / sqrt(d_k)) written out, (B, H, T, S); masked keys (``mask`` False) get exactly 0.
+
+        ``attend`` never materializes these weights (SDPA's fused kernels do not return them); this explicit form
+        is for analysis only (attention heat maps), where ``combine_heads(weights @ V)`` reproduces ``attend``
+        without dropout.
+        """
+        scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.size(-1))  # (B, H, T, S)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.softmax(scores, dim=-1)
 
     def forward(self, x: Tensor, mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
         """Self-attention of ``x`` (B, T, D) without a cache."""
@@ -462,6 +479,24 @@ class DecoderLayer(nn.Module):
                      self.dropout, pre)
         return residual(x, self.ffn, self.ffn_norm, self.dropout, pre)  # (B, T, D)
 
+    def forward_with_cross_attention(self, x: Tensor, memory: Tensor,
+                                     memory_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Teacher-forced ``forward`` with the encoder-decoder attention written out (``attention_weights``);
+        returns the layer output (B, T, D) and those weights (B, H, T, S). For analysis: slower than ``forward``."""
+        pre = self.normalize_before
+        weights: list[Tensor] = []
+
+        def cross(h: Tensor) -> Tensor:
+            q = self.cross_attn.project_q(h)  # (B, H, T, Dh)
+            k, v = self.cross_attn.project_kv(memory)  # (B, H, S, Dh) each
+            w = self.cross_attn.attention_weights(q, k, memory_mask)  # (B, H, T, S)
+            weights.append(w)
+            return self.cross_attn.combine_heads(torch.matmul(w, v))
+
+        x = residual(x, lambda h: self._self_attention(h, None, 0), self.self_attn_norm, self.dropout, pre)
+        x = residual(x, cross, self.cross_attn_norm, self.dropout, pre)
+        return residual(x, self.ffn, self.ffn_norm, self.dropout, pre), weights[0]
+
 
 class TransformerEncoder(nn.Module):
     """Embeddings + N encoder layers (3.1); pre-norm adds a final LayerNorm."""
@@ -505,6 +540,18 @@ class TransformerDecoder(nn.Module):
         if self.final_norm is not None:
             x = self.final_norm(x)
         return self.output_projection(x)  # (B, T, V)
+
+    def forward_with_cross_attention(self, prev_output_tokens: Tensor, enc: EncoderOut) -> tuple[Tensor, Tensor]:
+        """Teacher-forced logits (B, T, V) and every layer's encoder-decoder attention weights (B, L, H, T, S)."""
+        x = self.embed(prev_output_tokens)  # (B, T, D)
+        memory_mask = key_padding_mask(enc.padding_mask)  # (B, 1, 1, S) or None
+        weights = []
+        for layer in self.layers:
+            x, w = layer.forward_with_cross_attention(x, enc.out, memory_mask)
+            weights.append(w)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return self.output_projection(x), torch.stack(weights, dim=1)
 
 
 # --------------------------------------------------------------------------------------------- the model
@@ -575,6 +622,32 @@ class TransformerModel(nn.Module):
         and reused.
         """
         return self.decoder(prev_output_tokens, enc, cache)
+
+    def decode_with_cross_attention(self, prev_output_tokens: Tensor, enc: EncoderOut) -> tuple[Tensor, Tensor]:
+        """Teacher-forced logits (B, T, V) and encoder-decoder attention weights (B, L, H, T, S).
+
+        The same arithmetic as ``decode`` without a cache, except that the attention weights are computed
+        explicitly (``MultiHeadAttention.attention_weights``) instead of inside SDPA; call it in eval mode
+        (attention dropout is not applied here).
+        """
+        return self.decoder.forward_with_cross_attention(prev_output_tokens, enc)
+
+    def cross_attention_weights(self, src_tokens: Tensor, src_lengths: Tensor, prev_output_tokens: Tensor) -> Tensor:
+        """Encoder-decoder attention weights (B, L, H, T, S) of every decoder layer and head, in eval mode.
+
+        Row ``t`` of a head's (T, S) map is the distribution over source tokens with which the decoder, fed
+        ``prev_output_tokens[:, :t + 1]``, predicts target token ``t``; it sums to 1 over the sentence's real
+        source tokens and is 0 on padding. For a single sentence, ``[0]`` gives (L, H, T, S). The model is
+        switched to eval mode for the call (no dropout) and back afterwards; no gradients are kept.
+        """
+        was_training = self.training
+        self.eval()
+        try:
+            with torch.no_grad():
+                _, weights = self.decode_with_cross_attention(prev_output_tokens, self.encode(src_tokens, src_lengths))
+        finally:
+            self.train(was_training)
+        return weights
 
     def new_cache(self) -> DecoderCache:
         return DecoderCache(layers=[LayerCache() for _ in self.decoder.layers])
