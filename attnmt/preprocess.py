@@ -363,13 +363,13 @@ def _indexed_call(arg):
 
 
 class Progress:
-    """Stage progress on stderr: a rich progress bar on a terminal, one plain line per stage otherwise."""
+    """Stage progress on stderr: rich progress bars on a terminal; otherwise one plain line per finished stage
+    (so that an input error is the only line a failed run prints)."""
 
     def __init__(self, quiet: bool = False):
         self.quiet = quiet
-        self.tty = sys.stderr.isatty()
         self._rich = None
-        if self.tty and not quiet:
+        if sys.stderr.isatty() and not quiet:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
             from rich.progress import Progress as RichProgress
@@ -378,20 +378,30 @@ class Progress:
                                       TimeElapsedColumn(), console=Console(stderr=True), transient=False)
             self._rich.start()
 
-    def stage(self, description: str, total: int) -> Callable[[Any], None]:
-        if self.quiet:
-            return lambda _job: None
-        if self._rich is not None:
-            task = self._rich.add_task(description, total=total)
-            return lambda _job: self._rich.advance(task)
-        print(f"attnmt preprocess: {description} ({total} part{'s' if total != 1 else ''})", file=sys.stderr,
-              flush=True)
-        return lambda _job: None
+    def stage(self, description: str, total: int) -> Stage:
+        return Stage(self, description, total)
 
     def close(self) -> None:
         if self._rich is not None:
             self._rich.stop()
             self._rich = None
+
+
+class Stage:
+    def __init__(self, progress: Progress, description: str, total: int):
+        self.progress, self.description, self.total = progress, description, total
+        self.t0 = time.time()
+        self.task = progress._rich.add_task(description, total=total) if progress._rich is not None else None
+
+    def __call__(self, _job: Any = None) -> None:
+        if self.task is not None:
+            self.progress._rich.advance(self.task)
+
+    def done(self, note: str = "") -> None:
+        if self.progress.quiet or self.task is not None:
+            return
+        print(f"attnmt preprocess: {self.description}: done in {time.time() - self.t0:.1f} s{note}",
+              file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------------------------------- main
@@ -468,9 +478,9 @@ def _check_parallel(split: Split, scans: dict[str, ScanResult], src: str, tgt: s
     if a.lines != b.lines:
         short, long_ = (a, b) if a.lines < b.lines else (b, a)
         raise UserError(
-            f"{short.path}:{short.lines + 1}: {short.path} ends after line {short.lines} but {long_.path} goes on "
-            f"to line {long_.lines} ({a.path}: {a.lines} lines, {b.path}: {b.lines} lines); source and target "
-            f"of split '{split.name}' must be line-aligned, fix the files")
+            f"{short.path}:{short.lines + 1}: line missing: {short.path} ends after line {short.lines} but "
+            f"{long_.path} has {long_.lines} lines; source and target of split '{split.name}' must have the same "
+            f"number of lines (one sentence pair per line), fix the files")
 
 
 def _publish(tmp: Path, destdir: Path) -> None:
@@ -500,12 +510,13 @@ def preprocess(cfg: PreprocessConfig, quiet: bool = False) -> dict[str, Any]:
     progress = Progress(quiet)
     try:
         paths = list(dict.fromkeys(p for s in splits for p in s.paths.values()))
-        tick = progress.stage("reading and checking inputs", len(paths))
-        scans = dict(zip(paths, runner.map(scan_file, paths, tick)))
+        stage = progress.stage("reading and checking inputs", len(paths))
+        scans = dict(zip(paths, runner.map(scan_file, paths, stage)))
         for s in splits:
             _check_parallel(s, scans, src, tgt)
         fingerprint = _fingerprint(cfg, splits, scans)
         existing = _check_destdir(destdir, fingerprint)
+        stage.done(f" ({len(paths)} files, {sum(scans[p].lines for p in paths):,} lines)")
         if existing is not None:
             progress.close()
             return {**existing, "up_to_date": True, "destdir": str(destdir), "elapsed_s": time.time() - t0}
@@ -556,11 +567,14 @@ def _build(cfg: PreprocessConfig, splits: list[Split], scans: dict[str, ScanResu
             outs = {lang: str(work / f"norm.{lang}.{p.index:05d}") for lang in langs}
             normalized[(train.name, p.index)] = outs
             jobs.append(NormalizeJob(p, train.paths, outs, specs("none", None)))
-        runner.map(normalize_part, jobs, progress.stage("normalizing training text", len(jobs)))
+        stage = progress.stage("normalizing training text", len(jobs))
+        runner.map(normalize_part, jobs, stage)
+        stage.done()
         files = [normalized[(train.name, p.index)][lang] for lang in langs for p in parts[train.name]]
-        tick = progress.stage(f"learning {cfg.bpe} subwords ({cfg.vocab_size})", 1)
+        stage = progress.stage(f"learning {cfg.vocab_size} {cfg.bpe} subwords", 1)
         bpe = bpe_cls.train(files, cfg.vocab_size, str(work / "bpe"), cfg.bpe_max_sentences)
-        tick(None)
+        stage()
+        stage.done()
         bpe_info["sentences_used"] = getattr(bpe, "training_sentences", None)
     else:
         bpe = bpe_cls.load()
@@ -581,7 +595,9 @@ def _build(cfg: PreprocessConfig, splits: list[Split], scans: dict[str, ScanResu
             outs = {lang: str(work / f"{s.name}.{lang}.pieces.{p.index:05d}") for lang in langs}
             enc_jobs.append(EncodeJob(p, norm or s.paths, norm is not None, outs, specs(cfg.bpe, model_file), s.train,
                                       cfg.max_len))
-    enc = runner.map(encode_part, enc_jobs, progress.stage("segmenting", len(enc_jobs)))
+    stage = progress.stage("segmenting", len(enc_jobs))
+    enc = runner.map(encode_part, enc_jobs, stage)
+    stage.done()
 
     # ---- dictionaries
     dicts = _dictionaries(cfg, [r for r in enc if r.split == (train.name if train else None)])
@@ -596,7 +612,9 @@ def _build(cfg: PreprocessConfig, splits: list[Split], scans: dict[str, ScanResu
         for lang in langs:
             bin_jobs.append(BinarizeJob(job.part.split, lang, job.outputs[lang], dict_paths[lang],
                                         job.outputs[lang] + ".ds"))
-    counts = runner.map(binarize_part, bin_jobs, progress.stage("binarizing", len(bin_jobs)))
+    stage = progress.stage("binarizing", len(bin_jobs))
+    counts = runner.map(binarize_part, bin_jobs, stage)
+    stage.done()
     totals = {(s.name, lang): [0, 0, 0] for s in splits for lang in langs}
     for job, result in zip(bin_jobs, counts):
         totals[(job.split, job.lang)] = [a + b for a, b in zip(totals[(job.split, job.lang)], result)]

@@ -12,13 +12,15 @@ and inference use, so a sentence typed at ``attnmt translate`` is segmented exac
 
 from __future__ import annotations
 
+import io
 import json
 import os
-import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from attnmt.errors import UserError
+from attnmt.fileio import atomic_open
 from attnmt.registry import get, register
 
 # ----------------------------------------------------------------------------------------------- tokenizers
@@ -105,35 +107,34 @@ class SentencePieceBPE:
 
         When the files hold more than ``max_sentences`` non-empty lines, a sample of that many is drawn with a
         fixed seed (here, not inside SentencePiece, whose own sampling is not reproducible); the trainer is
-        then never asked to sample, so the model is identical run to run.
+        then never asked to sample. Sentences are streamed to the trainer and the model comes back as bytes, so
+        no file path is recorded in it: the same text gives a byte-identical model wherever it is trained.
         """
         import sentencepiece as spm
 
         cfg = cfg or SentencePieceConfig(vocab_size=vocab_size, max_sentences=max_sentences)
-        prefix = Path(model_path_prefix)
-        prefix.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=prefix.parent, prefix=".spm-train.") as tmp:
-            sample = os.path.join(tmp, "sample.txt")
-            n = _write_sample(files, sample, max_sentences, cfg.seed)
-            if n == 0:
-                raise UserError(f"{', '.join(map(str, files))}: no non-empty lines to learn SentencePiece from; "
-                                f"check the training files")
-            try:
-                spm.SentencePieceTrainer.train(
-                    input=sample, model_prefix=str(prefix), vocab_size=vocab_size, model_type="bpe",
-                    character_coverage=cfg.character_coverage, input_sentence_size=max_sentences,
-                    shuffle_input_sentence=True, num_threads=cfg.num_threads,
-                    normalization_rule_name=cfg.normalization_rule_name,
-                    unk_id=0, bos_id=-1, eos_id=-1, pad_id=-1, minloglevel=2,
-                )
-            except (RuntimeError, OSError) as e:
-                msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-                raise UserError(f"SentencePiece training on {n} sentences failed: {msg}; "
-                                f"lower --vocab-size or give more training data") from None
-        vocab = Path(f"{prefix}.vocab")
-        if vocab.exists():
-            vocab.unlink()  # the piece list lives in the model; dict.*.txt is the vocabulary attnmt uses
-        model = cls.load(f"{prefix}.model")
+        n = _count_sample(files, max_sentences)
+        if n == 0:
+            raise UserError(f"{', '.join(map(str, files))}: no non-empty lines to learn SentencePiece from; "
+                            f"check the training files")
+        writer = io.BytesIO()
+        try:
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=_sample(files, max_sentences, cfg.seed), model_writer=writer,
+                vocab_size=vocab_size, model_type="bpe", character_coverage=cfg.character_coverage,
+                # the sample is already capped: the trainer takes all of it and does not sample again
+                input_sentence_size=0, shuffle_input_sentence=False, num_threads=cfg.num_threads,
+                normalization_rule_name=cfg.normalization_rule_name,
+                unk_id=0, bos_id=-1, eos_id=-1, pad_id=-1, minloglevel=2,
+            )
+        except (RuntimeError, OSError) as e:
+            msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            raise UserError(f"SentencePiece training on {n} sentences failed: {msg}; "
+                            f"lower --vocab-size or give more training data") from None
+        data = writer.getvalue()
+        with atomic_open(f"{model_path_prefix}.model", "wb") as f:
+            f.write(data)
+        model = cls.from_bytes(data)
         model.training_sentences = n
         return model
 
@@ -180,30 +181,33 @@ class SentencePieceBPE:
         return [self._sp.id_to_piece(i) for i in range(self._sp.get_piece_size())]
 
 
-def _write_sample(files: list[str], out: str, max_sentences: int, seed: int) -> int:
-    """Write the non-empty lines of ``files`` (all of them, or a fixed-seed sample of ``max_sentences``)."""
+def _nonempty_lines(files: list[str]) -> Iterator[str]:
+    for p in files:
+        with open(p, encoding="utf-8") as f:
+            for line in f:
+                line = line.strip()
+                if line:
+                    yield line
+
+
+def _count_sample(files: list[str], max_sentences: int) -> int:
+    total = sum(1 for _ in _nonempty_lines(files))
+    return min(total, max_sentences) if max_sentences > 0 else total
+
+
+def _sample(files: list[str], max_sentences: int, seed: int) -> Iterator[str]:
+    """The non-empty lines of ``files``: all of them, or a fixed-seed sample of ``max_sentences`` (in order)."""
     import numpy as np
 
-    def lines():
-        for p in files:
-            with open(p, encoding="utf-8") as f:
-                for line in f:
-                    line = line.strip()
-                    if line:
-                        yield line
-
-    total = sum(1 for _ in lines())
-    keep = None
-    if max_sentences > 0 and total > max_sentences:
-        keep = np.zeros(total, dtype=bool)
-        keep[np.random.default_rng(seed).choice(total, size=max_sentences, replace=False)] = True
-    n = 0
-    with open(out, "w", encoding="utf-8") as f:
-        for i, line in enumerate(lines()):
-            if keep is None or keep[i]:
-                f.write(line + "\n")
-                n += 1
-    return n
+    total = sum(1 for _ in _nonempty_lines(files))
+    if max_sentences <= 0 or total <= max_sentences:
+        yield from _nonempty_lines(files)
+        return
+    keep = np.zeros(total, dtype=bool)
+    keep[np.random.default_rng(seed).choice(total, size=max_sentences, replace=False)] = True
+    for i, line in enumerate(_nonempty_lines(files)):
+        if keep[i]:
+            yield line
 
 
 @dataclass

@@ -23,7 +23,7 @@ import numpy as np
 
 from attnmt.errors import UserError
 
-CHECKPOINT = 1000
+CHECKPOINT = 128
 _BLOCK = 1 << 22
 _GZIP_MAGIC = b"\x1f\x8b"
 
