@@ -20,7 +20,8 @@ whatever else is in its batch. Padding is done in numpy (one allocation per tens
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 import torch

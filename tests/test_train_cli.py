@@ -1,0 +1,92 @@
+"""``attnmt train`` end to end on tiny data: the loss falls, train.jsonl has the figures, errors are one line."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from train_fixtures import TINY_MODEL, make_data_bin
+
+from attnmt.cli import main
+
+
+def _records(save_dir, kind):
+    lines = (save_dir / "train.jsonl").read_text(encoding="utf-8").splitlines()
+    return [r for r in map(json.loads, lines) if r["type"] == kind]
+
+
+def test_short_run_loss_falls_and_jsonl_has_the_fields(tmp_path, capsys):
+    data = make_data_bin(tmp_path / "bin", n_train=200, long_pairs=3)
+    ck = tmp_path / "ck"
+    main(["train", str(data), *TINY_MODEL, "--max-source-positions", "32", "--max-target-positions", "32",
+          "--save-dir", str(ck), "--max-tokens", "256", "--max-update", "120", "--lr", "3e-3",
+          "--warmup-updates", "20", "--log-interval", "10", "--progress", "lines", "--threads", "1"])
+    err = capsys.readouterr().err
+    # start-up report: model size, effective batch, data sizes, skipped overlong pairs with examples
+    assert "parameters" in err and "effective batch: 256 tokens x 1 process(es) x update-freq 1" in err
+    assert "train: 200 pairs" in err and "valid: 24 pairs" in err
+    assert "3 sentence(s) skipped (longer than the model's max positions (source 32, target 32)" in err
+    assert "line index(es) 200, 201, 202" in err
+    assert "loss" in err and "wps" in err and "eta" in err  # plain progress lines (not a TTY)
+
+    train = _records(ck, "train")
+    assert [r["num_updates"] for r in train] == list(range(10, 121, 10))
+    for r in train:
+        assert {"epoch", "loss", "nll_loss", "ppl", "lr", "wps", "ups", "gnorm", "eta_s"} <= set(r)
+        assert r["ppl"] == pytest.approx(2 ** r["nll_loss"])
+    assert train[-1]["loss"] < train[0]["loss"] - 1.0  # the smoothed training loss falls
+    valid = _records(ck, "valid")
+    assert valid and {"loss", "nll_loss", "ppl", "best_loss", "num_updates"} <= set(valid[0])
+    assert valid[-1]["loss"] < valid[0]["loss"]
+    summary = _records(ck, "summary")[-1]
+    assert summary["num_updates"] == 120 and summary["stop_reason"] == "max_update"
+    assert summary["best"] == min(v["loss"] for v in valid)
+
+
+def test_bf16_run_and_max_epoch(tmp_path):
+    data = make_data_bin(tmp_path / "bin", n_train=64)
+    ck = tmp_path / "ck"
+    main(["train", str(data), *TINY_MODEL, "--save-dir", str(ck), "--max-tokens", "256", "--max-epoch", "2",
+          "--bf16", "--progress", "none", "--update-freq", "2", "--clip-norm", "0.5"])
+    s = _records(ck, "summary")[-1]
+    assert s["stop_reason"] == "max_epoch" and s["epoch"] == 2
+    c = torch.load(ck / "checkpoint_last.pt", weights_only=True)
+    assert c["train"]["epoch"] == 2 and c["train"]["iterator"]["offset"] > 0  # the epoch's end
+    assert all(v.dtype == torch.float32 for v in c["model"].values() if v.is_floating_point())
+
+
+def test_patience_stops_early(tmp_path):
+    data = make_data_bin(tmp_path / "bin", n_train=64)
+    ck = tmp_path / "ck"
+    # an lr below fp32 resolution leaves the weights (and the validation loss) exactly as they are
+    main(["train", str(data), *TINY_MODEL, "--save-dir", str(ck), "--max-tokens", "256", "--max-epoch", "20",
+          "--lr", "1e-30", "--warmup-updates", "0", "--patience", "2", "--progress", "none"])
+    s = _records(ck, "summary")[-1]
+    assert s["stop_reason"] == "patience" and s["epoch"] == 3  # best at epoch 1, no improvement at 2 and 3
+
+
+def _run_cli(*args):
+    r = subprocess.run([sys.executable, "-m", "attnmt.cli", "train", *map(str, args)], capture_output=True, text=True)
+    return r.returncode, r.stderr.strip()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--fp16", "--cpu"], "--fp16 needs a CUDA GPU"),
+    (["--label-smoothing", "0.2", "--criterion", "cross_entropy"],
+     "--label-smoothing does not apply to the chosen components"),
+    (["--warmup-updates", "10", "--lr-scheduler", "fixed"], "it is an option of lr scheduler inverse_sqrt"),
+    (["--bf16", "--fp16"], "--bf16 and --fp16 exclude each other"),
+    (["--optimizer", "lamb"], "unknown optimizer 'lamb'; valid choices: adam"),
+    (["--best-checkpoint-metric", "bleu"], "--best-checkpoint-metric bleu needs --eval-bleu"),
+])
+def test_bad_options_are_one_line_errors(tmp_path, extra, message):
+    data = make_data_bin(tmp_path / "bin", n_train=16)
+    code, err = _run_cli(data, *TINY_MODEL, "--save-dir", tmp_path / "ck", "--max-update", "1", *extra)
+    assert code == 1 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("attnmt: error: ") and message in err, err
+
+
+def test_missing_data_bin_is_a_user_error(tmp_path):
+    code, err = _run_cli(tmp_path / "nope", "--arch", "transformer_small", "--save-dir", tmp_path / "ck")
+    assert code == 1 and "no such data directory" in err and len(err.splitlines()) == 1

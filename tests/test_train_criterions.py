@@ -1,0 +1,110 @@
+"""Criterions: label smoothing against a hand computation, padding ignored, plain CE, metric reduction."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnmt.criterions import (
+    CrossEntropy,
+    CrossEntropyConfig,
+    LabelSmoothedCrossEntropy,
+    LabelSmoothedCrossEntropyConfig,
+    reduce_metrics,
+)
+from attnmt.errors import UserError
+
+PAD = 1
+
+
+class FixedLogits(torch.nn.Module):
+    """A 'model' returning given logits (the criterion only calls forward)."""
+
+    def __init__(self, logits):
+        super().__init__()
+        self.logits = logits
+
+    def forward(self, src_tokens, src_lengths, prev_output_tokens):
+        return self.logits
+
+
+def _batch(target):
+    ntok = int(target.ne(PAD).sum())
+    return {"net_input": {"src_tokens": None, "src_lengths": None, "prev_output_tokens": None},
+            "target": target, "ntokens": ntok, "nsentences": target.size(0)}
+
+
+def test_label_smoothing_matches_hand_computation():
+    torch.manual_seed(0)
+    V, eps = 7, 0.1
+    logits = torch.randn(2, 3, V)
+    target = torch.tensor([[4, 5, 2], [6, 2, PAD]])
+    loss, log = LabelSmoothedCrossEntropy(LabelSmoothedCrossEntropyConfig(eps), PAD)(FixedLogits(logits), _batch(target))
+    # by hand: q = (1-eps) onehot + eps/V; loss = sum over real tokens of -sum_v q_v log p_v
+    expected = 0.0
+    expected_nll = 0.0
+    for b in range(2):
+        for t in range(3):
+            y = int(target[b, t])
+            if y == PAD:
+                continue
+            logp = torch.log_softmax(logits[b, t].double(), -1)
+            q = torch.full((V,), eps / V, dtype=torch.float64)
+            q[y] += 1 - eps
+            expected += float(-(q * logp).sum())
+            expected_nll += float(-logp[y])
+    assert float(loss) == pytest.approx(expected, rel=1e-6)
+    assert float(log["nll_loss"]) == pytest.approx(expected_nll, rel=1e-6)
+    assert log["ntokens"] == 5 and log["sample_size"] == 5
+
+
+def test_padding_positions_do_not_change_the_loss():
+    torch.manual_seed(1)
+    logits = torch.randn(1, 4, 9)
+    target = torch.tensor([[3, 4, 2, PAD]])
+    crit = LabelSmoothedCrossEntropy(LabelSmoothedCrossEntropyConfig(0.1), PAD)
+    a, _ = crit(FixedLogits(logits), _batch(target))
+    changed = logits.clone()
+    changed[0, 3] = torch.randn(9) * 100  # garbage at the padded position
+    b, _ = crit(FixedLogits(changed), _batch(target))
+    assert torch.equal(a, b)
+    # and the loss equals the one of the unpadded sentence
+    c, _ = crit(FixedLogits(logits[:, :3]), _batch(target[:, :3]))
+    assert torch.allclose(a, c)
+
+
+def test_cross_entropy_equals_torch_and_zero_smoothing():
+    torch.manual_seed(2)
+    logits = torch.randn(3, 5, 11)
+    target = torch.randint(2, 11, (3, 5))
+    target[0, 3:] = PAD
+    ce, log = CrossEntropy(CrossEntropyConfig(), PAD)(FixedLogits(logits), _batch(target))
+    ref = F.cross_entropy(logits.reshape(-1, 11), target.reshape(-1), ignore_index=PAD, reduction="sum")
+    assert torch.allclose(ce, ref)
+    assert torch.allclose(log["nll_loss"], ref)
+    ls0, _ = LabelSmoothedCrossEntropy(LabelSmoothedCrossEntropyConfig(0.0), PAD)(FixedLogits(logits), _batch(target))
+    assert torch.allclose(ls0, ref)
+
+
+def test_loss_is_fp32_under_bf16_autocast():
+    logits = torch.randn(2, 3, 8, dtype=torch.bfloat16)
+    target = torch.tensor([[3, 4, 2], [5, 2, PAD]])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _ = LabelSmoothedCrossEntropy(LabelSmoothedCrossEntropyConfig(0.1), PAD)(FixedLogits(logits),
+                                                                                       _batch(target))
+    assert loss.dtype == torch.float32
+
+
+def test_reduce_metrics_base2_and_ppl():
+    m = reduce_metrics(loss_sum=10 * math.log(2) * 3.0, nll_sum=10 * math.log(2) * 2.0, ntokens=10)
+    assert m["loss"] == pytest.approx(3.0)
+    assert m["nll_loss"] == pytest.approx(2.0)
+    assert m["ppl"] == pytest.approx(4.0)  # 2 ** 2 == exp(nll in nats)
+
+
+def test_label_smoothing_out_of_range_is_a_user_error():
+    from attnmt.config import make_config
+
+    with pytest.raises(UserError, match="label-smoothing"):
+        make_config(LabelSmoothedCrossEntropyConfig, {"label_smoothing": 1.5})

@@ -1,0 +1,87 @@
+"""LR schedules (fairseq's inverse_sqrt, fixed) and the Adam builder."""
+
+import math
+
+import pytest
+import torch
+
+from attnmt.config import make_config
+from attnmt.errors import UserError
+from attnmt.optim import (
+    AdamConfig,
+    FixedConfig,
+    FixedSchedule,
+    InverseSqrtConfig,
+    InverseSqrtSchedule,
+    build_adam,
+)
+
+
+def _opt():
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+
+
+def test_inverse_sqrt_equals_formula():
+    lr, warm = 7e-4, 4000
+    s = InverseSqrtSchedule(InverseSqrtConfig(lr=lr, warmup_updates=warm))
+    opt = _opt()
+    for n in (0, 1, 100, 3999):
+        assert s.step_update(opt, n) == pytest.approx(n * lr / warm)
+        assert opt.param_groups[0]["lr"] == pytest.approx(n * lr / warm)
+    for n in (4000, 4001, 10000, 100000):
+        assert s.step_update(opt, n) == pytest.approx(lr * math.sqrt(warm / n))
+    assert s.lr_at(4000) == pytest.approx(lr)  # peak
+
+
+def test_inverse_sqrt_is_the_papers_schedule_shifted_by_one_update():
+    d, warm = 512, 4000
+    peak = d ** -0.5 * warm ** -0.5
+    assert peak == pytest.approx(7.0e-4, rel=2e-3)
+    s = InverseSqrtSchedule(InverseSqrtConfig(lr=peak, warmup_updates=warm))
+    for step in (1, 50, 4000, 4001, 20000):
+        paper = d ** -0.5 * min(step ** -0.5, step * warm ** -1.5)
+        # lr_at(n) is the paper's lrate(n); as in fairseq, update number k runs with lr_at(k - 1)
+        assert s.lr_at(step) == pytest.approx(paper, rel=1e-9)
+
+
+def test_warmup_init_lr_respected_and_no_warmup():
+    s = InverseSqrtSchedule(InverseSqrtConfig(lr=1e-3, warmup_updates=10, warmup_init_lr=1e-7))
+    assert s.lr_at(0) == pytest.approx(1e-7)
+    assert s.lr_at(5) == pytest.approx(1e-7 + 5 * (1e-3 - 1e-7) / 10)
+    assert s.lr_at(10) == pytest.approx(1e-3)
+    s0 = InverseSqrtSchedule(InverseSqrtConfig(lr=1e-3, warmup_updates=0))
+    assert s0.lr_at(0) == pytest.approx(1e-3)
+    assert s0.lr_at(4) == pytest.approx(1e-3 / 2)
+
+
+def test_reset_moves_the_schedule_start():
+    s = InverseSqrtSchedule(InverseSqrtConfig(lr=1e-3, warmup_updates=10))
+    s.load_state_dict({"start_update": 100})
+    opt = _opt()
+    assert s.step_update(opt, 105) == pytest.approx(5e-4)
+    assert s.state_dict() == {"start_update": 100}
+
+
+def test_fixed():
+    s = FixedSchedule(FixedConfig(lr=3e-4))
+    assert [s.lr_at(n) for n in (0, 1, 10 ** 6)] == [3e-4] * 3
+
+
+def test_adam_defaults_are_the_papers_and_weight_decay_is_decoupled():
+    cfg = AdamConfig()
+    assert cfg.adam_betas == (0.9, 0.98) and cfg.adam_eps == 1e-9
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = build_adam(make_config(AdamConfig, {"weight_decay": 0.1}), [p], lr=0.5)
+    assert isinstance(opt, torch.optim.AdamW)
+    p.grad = torch.zeros(3)
+    opt.step()  # zero gradient: only decoupled decay moves the weights, by lr * wd
+    assert torch.allclose(p.detach(), torch.full((3,), 1 - 0.5 * 0.1))
+
+
+def test_bad_values_are_user_errors():
+    with pytest.raises(UserError, match="adam-betas"):
+        make_config(AdamConfig, {"adam_betas": "(0.9, 1.5)"})
+    with pytest.raises(UserError, match="expected 2 values"):
+        make_config(AdamConfig, {"adam_betas": "(0.9,)"})
+    with pytest.raises(UserError, match="--lr"):
+        make_config(InverseSqrtConfig, {"lr": -1})

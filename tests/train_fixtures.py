@@ -1,0 +1,72 @@
+"""Tiny data-bins and tiny-model options for the training tests (written into a test's tmp_path)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from attnmt.data.dictionary import Dictionary
+from attnmt.data.indexed import IndexedDatasetBuilder
+
+WORDS = [f"w{i}" for i in range(24)]
+
+# a 1+1 layer, d=16 model: seconds per hundred updates on one CPU core
+TINY_MODEL = ["--arch", "transformer_small", "--encoder-layers", "1", "--decoder-layers", "1",
+              "--encoder-embed-dim", "16", "--decoder-embed-dim", "16", "--encoder-ffn-embed-dim", "32",
+              "--decoder-ffn-embed-dim", "32", "--encoder-attention-heads", "2", "--decoder-attention-heads", "2"]
+
+
+def _translate(words: list[str]) -> list[str]:
+    """The toy 'translation': each word maps to its upper-case twin, in reverse order (learnable, not a copy)."""
+    return [w.upper() for w in reversed(words)]
+
+
+def make_pairs(n: int, seed: int, min_len: int = 2, max_len: int = 12) -> list[tuple[list[str], list[str]]]:
+    rng = np.random.RandomState(seed)
+    pairs = []
+    for _ in range(n):
+        k = int(rng.randint(min_len, max_len + 1))
+        src = [WORDS[int(i)] for i in rng.randint(0, len(WORDS), size=k)]
+        pairs.append((src, _translate(src)))
+    return pairs
+
+
+def make_data_bin(root: Path, n_train: int = 200, n_valid: int = 24, joined: bool = True, seed: int = 0,
+                  long_pairs: int = 0, extra_symbol: str | None = None) -> Path:
+    """A DATA_BIN as attnmt preprocess writes it: dictionaries, preprocess.json, train/valid .bin/.idx.
+
+    ``long_pairs`` appends that many 40-token train pairs (longer than a model with 32 positions takes);
+    ``extra_symbol`` adds a symbol to the dictionaries (to make a 'different dictionary').
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    train = make_pairs(n_train, seed)
+    train += [([WORDS[0]] * 40, [WORDS[0].upper()] * 40) for _ in range(long_pairs)]
+    valid = make_pairs(n_valid, seed + 1)
+    src_d, tgt_d = Dictionary(), Dictionary()
+    for s, t in train:
+        for w in s:
+            src_d.add_symbol(w)
+        for w in t:
+            (src_d if joined else tgt_d).add_symbol(w)
+    if extra_symbol:
+        src_d.add_symbol(extra_symbol)
+        tgt_d.add_symbol(extra_symbol)
+    src_d.finalize(padding_factor=8)
+    tgt_d.finalize(padding_factor=8)
+    if joined:
+        tgt_d = src_d
+    src_d.save(root / "dict.en.txt")
+    tgt_d.save(root / "dict.de.txt")
+    for split, pairs in (("train", train), ("valid", valid)):
+        for lang, d, side in (("en", src_d, 0), ("de", tgt_d, 1)):
+            b = IndexedDatasetBuilder(str(root / f"{split}.en-de.{lang}"), len(d))
+            for p in pairs:
+                b.add(d.encode_line(" ".join(p[side])))
+            b.finalize()
+    meta = {"format_version": 1, "source_lang": "en", "target_lang": "de", "joined_dictionary": joined,
+            "bpe": "none", "tokenizer": "none", "lowercase": False}
+    (root / "preprocess.json").write_text(json.dumps(meta), encoding="utf-8")
+    return root
