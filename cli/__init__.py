@@ -21,6 +21,8 @@ COMMANDS = {
     "score": "score",
     "average-checkpoints": "average_checkpoints",
     "train": "train",
+    "generate": "generate",
+    "translate": "translate",
 }
 
 

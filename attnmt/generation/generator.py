@@ -1,0 +1,231 @@
+"""Batched translation: length-sorted batches through the search, results handed back in input order.
+
+Sentences are sorted by length and cut into batches of at most ``--max-tokens`` padded source tokens (and
+``--batch-size`` sentences), so little compute goes to padding; each batch is encoded once and searched with the
+incremental cache; results are buffered and released strictly in input order, as soon as every earlier sentence
+is done. Output lines are formatted here too (plain text, or fairseq's ``S/T/H/D/P`` lines).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from attnmt.errors import UserError
+from attnmt.generation.search import Hypothesis, SearchConfig, Symbols, search
+
+
+@dataclass
+class GenerationConfig:
+    """How translation runs: batching, device, numeric precision."""
+
+    max_tokens: int | None = field(default=4096, metadata={
+        "help": "Most padded source tokens per batch (the beam multiplies the work); sentences are length-sorted."})
+    batch_size: int | None = field(default=None, metadata={"help": "Most sentences per batch (none: no limit)."})
+    device: str = field(default="auto", metadata={"help": "auto (cuda when available), cpu, cuda or cuda:N."})
+    bf16: bool = field(default=False, metadata={
+        "help": "bfloat16 autocast (CPU with AMX, or GPU); search scores stay float32."})
+    quantize: Literal["none", "int8"] = field(default="none", metadata={
+        "help": "int8: dynamic int8 quantization of the linear layers (CPU only)."})
+    threads: int = field(default=0, metadata={"help": "CPU threads for torch (0: torch's default)."})
+    truncate_source: bool = field(default=False, metadata={
+        "help": "Cut sources longer than the model accepts instead of refusing them."})
+
+    def __post_init__(self):
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"--max-tokens must be positive, got {self.max_tokens}")
+        if self.batch_size is not None and self.batch_size < 1:
+            raise ValueError(f"--batch-size must be positive, got {self.batch_size}")
+        if self.threads < 0:
+            raise ValueError(f"--threads must not be negative, got {self.threads}")
+        if self.bf16 and self.quantize != "none":
+            raise ValueError("--bf16 and --quantize int8 are alternatives; choose one")
+
+
+def make_batches(lengths: Sequence[int], max_tokens: int | None, batch_size: int | None) -> list[list[int]]:
+    """Indices grouped into batches of similar length, longest first.
+
+    A batch of ``n`` sentences whose longest has ``L`` tokens costs ``n * L`` padded tokens; it is kept within
+    ``max_tokens`` (a longer single sentence still gets a batch of its own) and ``batch_size``.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    longest = 0
+    for i in order:
+        n_len = max(longest, lengths[i])
+        too_many = batch_size is not None and len(cur) + 1 > batch_size
+        too_long = max_tokens is not None and (len(cur) + 1) * n_len > max_tokens
+        if cur and (too_many or too_long):
+            batches.append(cur)
+            cur, n_len = [], lengths[i]
+        cur.append(i)
+        longest = n_len
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def collate(sources: Sequence[Sequence[int]], pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded (B, S) tokens and (B,) lengths."""
+    lengths = torch.tensor([len(s) for s in sources], dtype=torch.long)
+    tokens = torch.full((len(sources), int(lengths.max())), pad, dtype=torch.long)
+    for row, s in enumerate(sources):
+        tokens[row, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+    return tokens.to(device), lengths.to(device)
+
+
+@dataclass
+class GenerationStats:
+    sentences: int = 0
+    source_tokens: int = 0
+    target_tokens: int = 0  # of the best hypotheses, final EOS included
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        s = max(self.seconds, 1e-9)
+        return (f"translated {self.sentences} sentences ({self.target_tokens} target tokens) in {self.seconds:.1f}s: "
+                f"{self.sentences / s:.2f} sentences/s, {self.target_tokens / s:.1f} target tokens/s")
+
+
+class Generator:
+    """Runs a model's search over id sequences; see the module docstring."""
+
+    def __init__(self, model, symbols: Symbols, search_cfg: SearchConfig, device: torch.device | str = "cpu",
+                 bf16: bool = False, max_source_positions: int | None = None, truncate_source: bool = False):
+        self.model = model
+        self.symbols = symbols
+        self.search_cfg = search_cfg
+        self.device = torch.device(device)
+        self.bf16 = bf16
+        self.max_source_positions = max_source_positions
+        self.truncate_source = truncate_source
+        self.stats = GenerationStats()
+
+    def _autocast(self):
+        if not self.bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+
+    def _check_length(self, ids: list[int], index: int, where: str) -> list[int]:
+        limit = self.max_source_positions
+        if limit is None or len(ids) <= limit:
+            return ids
+        if self.truncate_source:
+            return list(ids[: limit - 1]) + [self.symbols.eos]
+        raise UserError(f"{where}:{index + 1}: the source has {len(ids)} tokens but the model accepts at most "
+                        f"{limit}; shorten or split the line, or pass --truncate-source")
+
+    def search_batch(self, sources: Sequence[Sequence[int]], ids: Sequence[int]) -> list[list[Hypothesis]]:
+        """Hypotheses for one batch of sources (each a list of ids with its final EOS), in the given order."""
+        tokens, lengths = collate(sources, self.symbols.pad, self.device)
+        sample_ids = torch.as_tensor(list(ids), dtype=torch.long, device=self.device)
+        with torch.inference_mode(), self._autocast():
+            return search(self.model, tokens, lengths, self.search_cfg, self.symbols, sample_ids)
+
+    def generate(self, sources: Sequence[Sequence[int]], max_tokens: int | None = 4096, batch_size: int | None = None,
+                 first_id: int = 0, where: str = "input",
+                 progress=None) -> Iterator[tuple[int, list[Hypothesis]]]:
+        """Yield ``(index, hypotheses)`` for every source, in input order, as soon as each can be released.
+
+        ``first_id`` numbers the sources (it seeds sampling per sentence, so a continuing stream keeps counting);
+        ``where`` names the input in error messages; ``progress(n)`` is called after each batch of ``n`` sentences.
+        """
+        checked = [self._check_length(list(map(int, s)), first_id + i, where) for i, s in enumerate(sources)]
+        pending: dict[int, list[Hypothesis]] = {}
+        next_out = 0
+        for batch in make_batches([len(s) for s in checked], max_tokens, batch_size):
+            t0 = time.perf_counter()
+            hyps = self.search_batch([checked[i] for i in batch], [first_id + i for i in batch])
+            self.stats.seconds += time.perf_counter() - t0
+            self.stats.sentences += len(batch)
+            self.stats.source_tokens += sum(len(checked[i]) for i in batch)
+            self.stats.target_tokens += sum(len(h[0].tokens) for h in hyps if h)
+            for i, h in zip(batch, hyps):
+                pending[i] = h
+            if progress is not None:
+                progress(len(batch))
+            while next_out in pending:
+                yield next_out, pending.pop(next_out)
+                next_out += 1
+
+
+# ------------------------------------------------------------------------------------------------ output
+
+
+def format_result(index: int, hyps: list[Hypothesis], bundle, fmt: str, source: str | None = None,
+                  reference: str | None = None) -> list[str]:
+    """Output lines for one sentence.
+
+    ``plain``: the detokenized hypotheses (one line each; one per sentence unless ``--nbest`` > 1).
+    ``fairseq``: ``S-i`` source, ``T-i`` reference (when known), then per hypothesis ``H-i score pieces``,
+    ``D-i score text`` and ``P-i`` the per-token log-probabilities (natural log, final EOS included).
+    """
+    lines = []
+    if fmt == "fairseq":
+        if source is not None:
+            lines.append(f"S-{index}\t{source}")
+        if reference is not None:
+            lines.append(f"T-{index}\t{reference}")
+    for h in hyps:
+        pieces = bundle.target_pieces(h.tokens)
+        text = bundle.detokenize(pieces)
+        if fmt == "fairseq":
+            lines.append(f"H-{index}\t{h.score:.6f}\t{pieces}")
+            lines.append(f"D-{index}\t{h.score:.6f}\t{text}")
+            lines.append(f"P-{index}\t{' '.join(f'{p:.4f}' for p in h.positional_scores)}")
+        else:
+            lines.append(text)
+    if not hyps and fmt != "fairseq":
+        lines.append("")  # keep line i = input i even if nothing could be generated
+    return lines
+
+
+class Progress:
+    """Sentences done, on stderr: a rich bar on a terminal, a plain line every ``every`` seconds otherwise."""
+
+    def __init__(self, total: int | None, label: str = "translating", quiet: bool = False, every: float = 30.0):
+        self.total, self.label, self.quiet, self.every = total, label, quiet, every
+        self.done = 0
+        self._bar = None
+        self._last = self._start = time.perf_counter()
+        if not quiet and sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+            from rich.progress import Progress as RichProgress
+
+            self._bar = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                     TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True),
+                                     transient=True)
+            self._bar.start()
+            self._task = self._bar.add_task(label, total=total)
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        if self.quiet:
+            return
+        if self._bar is not None:
+            self._bar.advance(self._task, n)
+            return
+        now = time.perf_counter()
+        if now - self._last >= self.every:
+            self._last = now
+            of = f"/{self.total}" if self.total is not None else ""
+            rate = self.done / max(now - self._start, 1e-9)
+            print(f"attnmt: {self.label} {self.done}{of} sentences ({rate:.1f}/s)", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+def write_lines(out, lines: Iterable[str]) -> None:
+    for ln in lines:
+        out.write(ln + "\n")

@@ -1,0 +1,227 @@
+"""Load a checkpoint for inference: model, dictionaries and text pipeline, from the checkpoint file alone.
+
+A checkpoint carries everything translation needs (its ``data`` section: languages, both dictionaries, the
+SentencePiece model bytes, the tokenizer and lowercasing), so raw text can be translated without the data
+directory it was trained from, and with exactly the segmentation the training data had.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from attnmt.errors import UserError
+from attnmt.generation.search import Symbols
+
+BUNDLE_FILE = "model.pt"
+
+
+@dataclass
+class InferenceBundle:
+    """A model ready to translate, with what turns text into its ids and its ids back into text."""
+
+    model: nn.Module
+    src_dict: Any  # attnmt.data.dictionary.Dictionary
+    tgt_dict: Any
+    src_pipeline: Any  # attnmt.data.subword.TextPipeline: raw source line -> pieces
+    tgt_pipeline: Any  # pieces -> target text
+    source_lang: str
+    target_lang: str
+    path: Path
+    arch: str = ""
+    num_updates: int | None = None
+    data: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def symbols(self) -> Symbols:
+        return Symbols.from_dictionary(self.tgt_dict)
+
+    def max_source_positions(self) -> int | None:
+        fn = getattr(self.model, "max_positions", None)
+        return int(fn()[0]) if callable(fn) else None
+
+    def encode_source(self, line: str) -> list[int]:
+        """A raw source line -> ids (final EOS included), segmented as the training data was."""
+        return self.src_dict.encode_line(self.src_pipeline.encode(line))
+
+    def encode_sources(self, lines: list[str]) -> list[list[int]]:
+        pieces = self.src_pipeline.encode_batch(lines) if lines else []
+        return [self.src_dict.encode_line(p) for p in pieces]
+
+    def target_pieces(self, ids) -> str:
+        """Target ids -> space-separated pieces (special symbols dropped)."""
+        return self.tgt_dict.string(ids)
+
+    def detokenize(self, pieces: str) -> str:
+        """Pieces -> target text (subwords merged, tokenization undone)."""
+        return self.tgt_pipeline.decode(pieces)
+
+    def source_pieces(self, ids) -> str:
+        return self.src_dict.string(ids)
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """``path`` itself, or ``path/model.pt`` for a model directory."""
+    p = Path(path)
+    if p.is_dir():
+        if (p / BUNDLE_FILE).is_file():
+            return p / BUNDLE_FILE
+        raise UserError(f"{p}: is a directory without {BUNDLE_FILE}; pass a checkpoint file (e.g. "
+                        f"{p}/checkpoint_best.pt) or a directory holding {BUNDLE_FILE}")
+    if not p.exists():
+        raise UserError(f"{p}: no such checkpoint; pass --path to a checkpoint written by attnmt train")
+    return p
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise UserError(f"--device {device!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: no CUDA device is available; use --device cpu")
+    return dev
+
+
+def _data_section(ckpt: dict, path: Path) -> dict:
+    data = ckpt.get("data")
+    need = ("source_lang", "target_lang", "src_dict", "tgt_dict")
+    if not isinstance(data, dict) or any(k not in data for k in need):
+        raise UserError(f"{path}: the checkpoint has no complete 'data' section (languages and dictionaries); "
+                        f"it cannot translate on its own: use a checkpoint written by attnmt train")
+    return data
+
+
+def build_pipelines(data: dict, path: Path):
+    """(source pipeline, target pipeline) from a checkpoint's data section."""
+    from attnmt.data.subword import TextPipeline, build_tokenizer
+    from attnmt.registry import get
+
+    bpe_name = str(data.get("bpe") or "none")
+    bpe_cls = get("bpe", bpe_name).obj
+    raw = data.get("bpe_model")
+    if raw is not None and torch.is_tensor(raw) and raw.numel():
+        bpe = bpe_cls.from_bytes(bytes(raw.to(torch.uint8).numpy().tobytes()), what=f"{path} (stored subword model)")
+    elif bpe_name != "none":
+        raise UserError(f"{path}: the checkpoint says bpe '{bpe_name}' but holds no subword model; "
+                        f"use a checkpoint written by attnmt train from a preprocessed directory with its model")
+    else:
+        bpe = bpe_cls.load()
+    tok = str(data.get("tokenizer") or "none")
+    lower = bool(data.get("lowercase", False))
+    src = TextPipeline(build_tokenizer(tok, data["source_lang"]), bpe, lowercase=lower)
+    tgt = TextPipeline(build_tokenizer(tok, data["target_lang"]), bpe, lowercase=lower)
+    return src, tgt
+
+
+def build_model(ckpt: dict, src_dict, tgt_dict, path: Path) -> nn.Module:
+    """The registered model of the checkpoint with its weights, in eval mode."""
+    from attnmt import registry
+    from attnmt.config import config_from_dict
+
+    name = ckpt.get("model_name")
+    if not name or "model" not in ckpt or "model_config" not in ckpt:
+        raise UserError(f"{path}: the checkpoint lacks model_name/model_config/model; use a file written by "
+                        f"attnmt train or attnmt average-checkpoints")
+    entry = registry.get("model", name)
+    cfg = config_from_dict(entry.config, ckpt["model_config"])
+    model = entry.obj.build(cfg, len(src_dict), len(tgt_dict), src_dict.pad(),
+                            joint_vocab=bool(ckpt["data"].get("joint_dictionary", False)))
+    try:
+        model.load_state_dict(ckpt["model"], strict=True)
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()
+        detail = " ".join(s.strip() for s in first[:3])
+        raise UserError(f"{path}: the weights do not fit the model described in the checkpoint ({detail[:300]}); "
+                        f"the file is inconsistent, re-save it with attnmt train") from None
+    return model.eval()
+
+
+def load_for_inference(path: str | os.PathLike, device: str | torch.device = "cpu") -> InferenceBundle:
+    """Everything needed to translate raw text with the checkpoint at ``path`` (a file or a ``model.pt`` dir)."""
+    from attnmt import registry
+    from attnmt.data.dictionary import Dictionary
+    from attnmt.training.checkpoints import load
+
+    registry.load_builtins()
+    p = resolve_checkpoint(path)
+    ckpt = load(p)
+    data = _data_section(ckpt, p)
+    src_dict, tgt_dict = Dictionary.from_state(data["src_dict"]), Dictionary.from_state(data["tgt_dict"])
+    for side, d in (("src", src_dict), ("tgt", tgt_dict)):
+        want = data.get(f"{side}_dict_sha256")
+        if want and d.checksum() != want:
+            raise UserError(f"{p}: the stored {side} dictionary does not match its checksum; the file is corrupt")
+    src_pipe, tgt_pipe = build_pipelines(data, p)
+    model = build_model(ckpt, src_dict, tgt_dict, p)
+    dev = device if isinstance(device, torch.device) else resolve_device(device)
+    model.to(dev)
+    train = ckpt.get("train") or {}
+    return InferenceBundle(model=model, src_dict=src_dict, tgt_dict=tgt_dict, src_pipeline=src_pipe,
+                           tgt_pipeline=tgt_pipe, source_lang=str(data["source_lang"]),
+                           target_lang=str(data["target_lang"]), path=p, arch=str(ckpt.get("arch", "")),
+                           num_updates=train.get("num_updates"), data=data)
+
+
+def check_data_dir(bundle: InferenceBundle, data_bin: str | os.PathLike) -> None:
+    """Refuse a binarized directory whose dictionaries differ from the checkpoint's (its ids would mean other words)."""
+    from attnmt.data.dictionary import Dictionary
+
+    for side, lang, d in (("source", bundle.source_lang, bundle.src_dict), ("target", bundle.target_lang,
+                                                                           bundle.tgt_dict)):
+        f = Path(data_bin) / f"dict.{lang}.txt"
+        if not f.is_file():
+            raise UserError(f"{f}: not found; DATA_BIN must be the directory written by attnmt preprocess for "
+                            f"{bundle.source_lang}-{bundle.target_lang} (or use --input to translate raw text)")
+        if Dictionary.load(f).checksum() != d.checksum():
+            raise UserError(f"{f}: the {side} dictionary differs from the one {bundle.path} was trained with; "
+                            f"binarize the data with that dictionary (preprocess --srcdict/--tgtdict) or "
+                            f"translate raw text with --input")
+
+
+def quantize_int8(model: nn.Module) -> nn.Module:
+    """Dynamic int8 quantization of every ``nn.Linear`` (weights int8, activations quantized per batch; CPU only).
+
+    torch 2.x marks ``torch.ao.quantization`` deprecated in favour of torchao but still ships it; the warnings are
+    silenced here because the user asked for exactly this.
+    """
+    if next(model.parameters()).device.type != "cpu":
+        raise UserError("--quantize int8 runs on the CPU only; add --device cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from torch.ao.quantization import quantize_dynamic
+
+        return quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8).eval()
+
+
+def load_generator(path: str | os.PathLike, search_cfg, gen_cfg):
+    """(bundle, Generator) for a checkpoint and the user's search and generation configs.
+
+    Sets the CPU thread count, picks the device, and applies ``--quantize int8`` (which runs on the CPU: with
+    ``--device auto`` that is where the model then stays).
+    """
+    from attnmt.generation.generator import Generator
+
+    if gen_cfg.threads:
+        torch.set_num_threads(gen_cfg.threads)
+    if gen_cfg.quantize == "int8":
+        if gen_cfg.device not in ("auto", "cpu"):
+            raise UserError(f"--quantize int8 runs on the CPU only; drop --device {gen_cfg.device} or --quantize")
+        device = torch.device("cpu")
+    else:
+        device = resolve_device(gen_cfg.device)
+    bundle = load_for_inference(path, device)
+    if gen_cfg.quantize == "int8":
+        bundle.model = quantize_int8(bundle.model)
+    generator = Generator(bundle.model, bundle.symbols, search_cfg, device, bf16=gen_cfg.bf16,
+                          max_source_positions=bundle.max_source_positions(),
+                          truncate_source=gen_cfg.truncate_source)
+    return bundle, generator

@@ -1,0 +1,109 @@
+"""``attnmt generate``: translate a binarized test split (DATA_BIN) or raw text (--input) with a checkpoint.
+
+Output goes to stdout (or ``--output FILE``, written atomically) in input order: one detokenized translation per
+line, which ``attnmt score`` reads from a pipe, or fairseq's ``S/T/H/D/P`` lines with ``--format fairseq``.
+Progress and a speed summary go to stderr.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import click
+
+from attnmt.config import add_options, given_options, make_config, split_given
+from attnmt.errors import UserError
+from attnmt.generation.generator import GenerationConfig
+from attnmt.generation.search import SearchConfig
+
+OPTION_CLASSES = {"search": SearchConfig, "generation": GenerationConfig}
+
+
+def configs(params: dict) -> tuple[SearchConfig, GenerationConfig]:
+    """The typed search and generation configs from the options the user gave."""
+    per, _ = split_given(given_options(params), OPTION_CLASSES)
+    return make_config(SearchConfig, per["search"]), make_config(GenerationConfig, per["generation"])
+
+
+def _binarized_split(bundle, data_bin: str, subset: str):
+    """(source id lists, reference texts or None, source texts) of split ``subset`` of ``data_bin``."""
+    from attnmt.data.indexed import IndexedDataset, exists
+    from attnmt.inference import check_data_dir
+
+    check_data_dir(bundle, data_bin)
+    src, tgt = bundle.source_lang, bundle.target_lang
+    prefix = f"{data_bin}/{subset}.{src}-{tgt}"
+    if not exists(f"{prefix}.{src}"):
+        raise UserError(f"{prefix}.{src}.bin/.idx: split '{subset}' not found in {data_bin}; choose another "
+                        f"--gen-subset or binarize it with attnmt preprocess --testpref")
+    src_ds = IndexedDataset(f"{prefix}.{src}")
+    sources = [src_ds[i].tolist() for i in range(len(src_ds))]
+    refs = None
+    if exists(f"{prefix}.{tgt}"):
+        tgt_ds = IndexedDataset(f"{prefix}.{tgt}")
+        if len(tgt_ds) != len(src_ds):
+            raise UserError(f"{prefix}.{tgt}.idx: {len(tgt_ds)} sentences but the source has {len(src_ds)}; "
+                            f"re-run attnmt preprocess")
+        refs = [bundle.detokenize(bundle.tgt_dict.string(tgt_ds[i])) for i in range(len(tgt_ds))]
+    texts = [bundle.src_pipeline.decode(bundle.source_pieces(s)) for s in sources]
+    return sources, refs, texts
+
+
+@click.command("generate")
+@click.argument("data_bin", required=False, metavar="[DATA_BIN]")
+@click.option("--path", "path", required=True, metavar="CKPT",
+              help="Checkpoint to translate with (or a directory holding model.pt); it carries the dictionaries "
+                   "and the subword model.")
+@click.option("--gen-subset", default="test", show_default=True, help="Binarized split of DATA_BIN to translate.")
+@click.option("--input", "input_path", metavar="FILE|-",
+              help="Translate raw text (one sentence per line; .gz allowed; '-' is stdin) instead of DATA_BIN.")
+@click.option("--format", "fmt", type=click.Choice(["plain", "fairseq"]), default="plain", show_default=True,
+              help="plain: one translation per line; fairseq: S-/T-/H-/D-/P- lines.")
+@click.option("--output", metavar="FILE", help="Write here (atomically) instead of stdout.")
+@click.option("--quiet", is_flag=True, help="No progress and no summary on stderr.")
+def command(data_bin, path, gen_subset, input_path, fmt, output, quiet, **params):
+    """Translate DATA_BIN's --gen-subset, or raw text with --input, with the checkpoint --path.
+
+    \b
+    attnmt generate data-bin/multi30k --path checkpoints/checkpoint_best.pt > test.hyp
+    attnmt generate --path model.pt --input test.en | attnmt score --ref test.de
+    attnmt generate data-bin/multi30k --path model.pt --format fairseq --beam 5 --nbest 5
+    """
+    from attnmt.fileio import atomic_open
+    from attnmt.generation.generator import Progress, format_result, write_lines
+    from attnmt.inference import load_generator
+    from attnmt.scoring import read_lines
+
+    search_cfg, gen_cfg = configs(params)
+    if input_path is None and data_bin is None:
+        raise UserError("nothing to translate: give DATA_BIN (a directory written by attnmt preprocess) or "
+                        "--input FILE|- for raw text")
+    if input_path is not None and data_bin is not None:
+        raise UserError(f"give either DATA_BIN ({data_bin}) or --input ({input_path}), not both")
+
+    bundle, generator = load_generator(path, search_cfg, gen_cfg)
+    if input_path is not None:
+        where = "stdin" if input_path == "-" else input_path
+        texts = read_lines(input_path, "input")
+        sources, refs = bundle.encode_sources(texts), None
+    else:
+        where = f"{data_bin}/{gen_subset}"
+        sources, refs, texts = _binarized_split(bundle, data_bin, gen_subset)
+
+    progress = Progress(len(sources), "translating", quiet=quiet)
+    sink = atomic_open(output, "w") if output else contextlib.nullcontext(sys.stdout)
+    try:
+        with sink as out:
+            for i, hyps in generator.generate(sources, gen_cfg.max_tokens, gen_cfg.batch_size, where=where,
+                                              progress=progress):
+                write_lines(out, format_result(i, hyps, bundle, fmt, source=texts[i],
+                                               reference=refs[i] if refs is not None else None))
+            out.flush()
+    finally:
+        progress.close()
+    if not quiet:
+        click.echo(f"attnmt generate: {generator.stats.summary()}", err=True)
+
+
+add_options(command, list(OPTION_CLASSES.values()))

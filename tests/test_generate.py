@@ -1,0 +1,326 @@
+"""Generation with a real (tiny, random) Transformer: search equivalences, batch invariance, input order, and the
+``attnmt generate`` / ``attnmt translate`` command lines on a self-contained checkpoint."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from attnmt import registry
+from attnmt.config import to_dict
+from attnmt.errors import UserError
+from attnmt.fileio import atomic_torch_save
+from attnmt.generation.generator import GenerationConfig, Generator, make_batches
+from attnmt.generation.search import SearchConfig, beam_search, greedy_search, length_penalty
+
+WORDS = ("a man woman dog runs jumps over the red blue ball child plays in park with water green house "
+         "two girls sit on bench near street").split()
+
+
+def _lines(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 14))).capitalize() + "." for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    """A self-contained checkpoint: random tiny Transformer, SentencePiece model and joined dictionary."""
+    from attnmt.data.dictionary import Dictionary
+    from attnmt.data.subword import SentencePieceBPE, TextPipeline
+    from attnmt.models.transformer import TransformerConfig, TransformerModel
+
+    registry.load_builtins()
+    d = tmp_path_factory.mktemp("ckpt")
+    corpus = d / "corpus.txt"
+    corpus.write_text("\n".join(_lines(300, 0)) + "\n", encoding="utf-8")
+    bpe = SentencePieceBPE.train([str(corpus)], 60, str(d / "spm"))
+    pipe = TextPipeline(None, bpe)
+    vocab = Dictionary()
+    for line in _lines(300, 0):
+        for p in pipe.encode(line).split():
+            vocab.add_symbol(p)
+    vocab.finalize(padding_factor=8)
+    cfg = TransformerConfig(encoder_layers=2, decoder_layers=2, encoder_embed_dim=16, decoder_embed_dim=16,
+                            encoder_ffn_embed_dim=32, decoder_ffn_embed_dim=32, encoder_attention_heads=2,
+                            decoder_attention_heads=2, share_all_embeddings=True, max_source_positions=96,
+                            max_target_positions=96)
+    torch.manual_seed(0)
+    model = TransformerModel.build(cfg, len(vocab), len(vocab), vocab.pad(), joint_vocab=True)
+    with torch.no_grad():  # make EOS likely enough that hypotheses end at different lengths
+        model.decoder.output_projection.weight[vocab.eos()] *= 4
+    data = {
+        "source_lang": "en", "target_lang": "de", "joint_dictionary": True,
+        "src_dict": vocab.to_state(), "tgt_dict": vocab.to_state(),
+        "src_dict_sha256": vocab.checksum(), "tgt_dict_sha256": vocab.checksum(),
+        "bpe": "sentencepiece",
+        "bpe_model": torch.frombuffer(bytearray(bpe.model_bytes()), dtype=torch.uint8).clone(),
+        "tokenizer": "moses", "lowercase": False,
+    }
+    state = {"format": "attnmt-checkpoint", "version": 1, "model_name": "transformer", "arch": "transformer_small",
+             "model_config": to_dict(cfg), "model": model.state_dict(), "data": data}
+    atomic_torch_save(state, d / "checkpoint_best.pt")
+    return d / "checkpoint_best.pt"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread (and do not fight over shared cores)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _load(ckpt, **search):
+    from attnmt.inference import load_generator
+
+    cfg = SearchConfig(**{"max_len_b": 12, **search})
+    return load_generator(ckpt, cfg, GenerationConfig(device="cpu"))
+
+
+SENTENCES = _lines(12, 1) + ["", "Dog."]
+
+
+def test_beam_one_equals_greedy_on_a_transformer(ckpt):
+    bundle, gen = _load(ckpt, beam=1, lenpen=0.6)
+    from attnmt.generation.generator import collate
+
+    tokens, lengths = collate(bundle.encode_sources(SENTENCES), bundle.symbols.pad, torch.device("cpu"))
+    g = greedy_search(bundle.model, tokens, lengths, gen.search_cfg, bundle.symbols)
+    b = beam_search(bundle.model, tokens, lengths, gen.search_cfg, bundle.symbols)
+    assert [h[0].tokens for h in g] == [h[0].tokens for h in b]
+    assert [h[0].score for h in g] == [h[0].score for h in b]
+    assert len({len(h[0].tokens) for h in g}) > 1  # the test sees hypotheses of different lengths
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_batch_invariance_and_input_order(ckpt, beam):
+    bundle, gen = _load(ckpt, beam=beam, nbest=beam)
+    sources = bundle.encode_sources(SENTENCES)
+    alone = [gen.search_batch([s], [i])[0] for i, s in enumerate(sources)]
+    # small batches of length-sorted sentences: several batches, results handed back in input order
+    assert len(make_batches([len(s) for s in sources], 40, None)) > 2
+    got = list(gen.generate(sources, max_tokens=40))
+    assert [i for i, _ in got] == list(range(len(sources)))
+    together = list(gen.generate(sources, max_tokens=10_000))
+    for (i, hyps), (_, hyps_all) in zip(got, together):
+        for h in (hyps, hyps_all):
+            assert [x.tokens for x in h] == [x.tokens for x in alone[i]]
+            assert [x.score for x in h] == pytest.approx([x.score for x in alone[i]], abs=1e-5)
+
+
+def test_scores_follow_the_length_penalty_on_a_transformer(ckpt):
+    bundle, gen = _load(ckpt, beam=4, nbest=4, lenpen=1.0)
+    sources = bundle.encode_sources(SENTENCES[:4])
+    for src, hyps in zip(sources, gen.search_batch(sources, range(4))):
+        assert [h.score for h in hyps] == sorted((h.score for h in hyps), reverse=True)
+        for h in hyps:
+            # recompute the log-probabilities with one teacher-forced pass
+            prev = torch.tensor([[bundle.symbols.eos] + h.tokens[:-1]])
+            with torch.no_grad():
+                lp = torch.log_softmax(bundle.model(torch.tensor([src]), torch.tensor([len(src)]), prev), -1)[0]
+            ref = lp.gather(1, torch.tensor(h.tokens)[:, None])[:, 0]
+            assert h.positional_scores == pytest.approx(ref.tolist(), abs=1e-4)
+            assert h.score == pytest.approx(float(ref.sum()) / length_penalty(len(h.tokens), 1.0), abs=1e-4)
+
+
+def test_make_batches_respects_limits():
+    lengths = [5, 1, 9, 3, 3, 7, 2, 20]
+    batches = make_batches(lengths, 12, 3)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for b in batches:
+        assert len(b) <= 3
+        assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 12
+    assert [7] in batches  # longer than --max-tokens alone: a batch of its own
+
+
+def test_int8_quantization_and_bf16_stay_close(ckpt):
+    from attnmt.inference import load_for_inference, quantize_int8
+
+    bundle = load_for_inference(ckpt)
+    src = torch.tensor([bundle.encode_source(SENTENCES[0])])
+    prev = torch.tensor([[bundle.symbols.eos] + bundle.encode_source(SENTENCES[1])])
+    with torch.no_grad():
+        ref = bundle.model(src, torch.tensor([src.size(1)]), prev)
+        q = quantize_int8(bundle.model)(src, torch.tensor([src.size(1)]), prev)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            bf = bundle.model(src, torch.tensor([src.size(1)]), prev).float()
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+    kinds = [type(m) for m in quantize_int8(bundle.model).modules()]
+    assert DynamicLinear in kinds and torch.nn.Linear not in kinds
+    scale = ref.abs().max()
+    assert float((q - ref).abs().max() / scale) < 0.1
+    assert float((bf - ref).abs().max() / scale) < 0.1
+
+
+# ------------------------------------------------------------------------------------------------ command line
+
+
+def run_cli(args: list[str], stdin: str = "") -> tuple[str, str]:
+    from attnmt.cli import cli
+
+    registry.load_plugins()
+    result = CliRunner().invoke(cli, args, input=stdin, catch_exceptions=True)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    assert result.exit_code == 0, result.output
+    return result.stdout, result.stderr
+
+
+def library_translations(ckpt, lines, **search) -> list[str]:
+    bundle, gen = _load(ckpt, **search)
+    out = []
+    for _, hyps in gen.generate(bundle.encode_sources(lines)):
+        out.append(bundle.detokenize(bundle.target_pieces(hyps[0].tokens)))
+    return out
+
+
+def test_cli_generate_raw_input_plain_and_fairseq(ckpt, tmp_path):
+    stdin = "\n".join(SENTENCES) + "\n"
+    plain, err = run_cli(["generate", "--path", str(ckpt), "--input", "-", "--max-len-b", "12", "--max-tokens", "30"],
+                         stdin)
+    lines = plain.split("\n")[:-1]
+    assert lines == library_translations(ckpt, SENTENCES)
+    assert "sentences/s" in err and "target tokens/s" in err
+
+    bundle_dir = tmp_path / "bundle"  # --path may name a directory holding model.pt
+    bundle_dir.mkdir()
+    shutil.copy(ckpt, bundle_dir / "model.pt")
+    fs, _ = run_cli(["generate", "--path", str(bundle_dir), "--input", "-", "--max-len-b", "12",
+                     "--format", "fairseq", "--nbest", "2"], stdin)
+    rows = [ln.split("\t") for ln in fs.split("\n")[:-1]]
+    for i, sentence in enumerate(SENTENCES):
+        mine = [r for r in rows if r[0].endswith(f"-{i}")]
+        assert [r[0][0] for r in mine] == ["S", "H", "D", "P", "H", "D", "P"]  # no reference for raw input
+        assert mine[0][1] == sentence
+        assert mine[2][2] == lines[i]  # D- of the best hypothesis = the plain output
+        assert float(mine[1][1]) >= float(mine[4][1])
+        pos = [float(x) for x in mine[3][1].split()]
+        assert float(mine[1][1]) == pytest.approx(sum(pos) / length_penalty(len(pos), 0.6), abs=1e-3)
+
+    # --output writes the same text atomically
+    out = tmp_path / "hyp.txt"
+    run_cli(["generate", "--path", str(ckpt), "--input", "-", "--max-len-b", "12", "--output", str(out), "--quiet"],
+            stdin)
+    assert out.read_text(encoding="utf-8") == plain
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def _data_bin(ckpt, tmp_path, lines, refs) -> Path:
+    """A binarized test split as attnmt preprocess writes it (dictionaries + indexed datasets)."""
+    from attnmt.data.indexed import IndexedDatasetBuilder
+    from attnmt.inference import load_for_inference
+
+    bundle = load_for_inference(ckpt)
+    d = tmp_path / "data-bin"
+    d.mkdir()
+    bundle.src_dict.save(d / "dict.en.txt")
+    bundle.tgt_dict.save(d / "dict.de.txt")
+    for lang, texts in (("en", lines), ("de", refs)):
+        with IndexedDatasetBuilder(d / f"test.en-de.{lang}", len(bundle.src_dict)) as b:
+            for ids in bundle.encode_sources(texts):
+                b.add(ids)
+    return d
+
+
+def test_cli_generate_binarized_split(ckpt, tmp_path):
+    lines = SENTENCES[:6]
+    refs = _lines(6, 7)
+    data_bin = _data_bin(ckpt, tmp_path, lines, refs)
+    plain, _ = run_cli(["generate", str(data_bin), "--path", str(ckpt), "--max-len-b", "12"])
+    assert plain.split("\n")[:-1] == library_translations(ckpt, lines)
+    fs, _ = run_cli(["generate", str(data_bin), "--path", str(ckpt), "--max-len-b", "12", "--format", "fairseq"])
+    t_lines = [ln.split("\t", 1)[1] for ln in fs.splitlines() if ln.startswith("T-")]
+    assert t_lines == refs
+
+    # a data directory binarized with another dictionary is refused
+    (data_bin / "dict.en.txt").write_text("foo 3\n", encoding="utf-8")
+    with pytest.raises(UserError, match=r"dict\.en\.txt: the source dictionary differs"):
+        run_cli(["generate", str(data_bin), "--path", str(ckpt)])
+
+
+def test_cli_options_and_errors(ckpt, tmp_path):
+    stdin = "\n".join(SENTENCES[:5]) + "\n"
+    base = ["generate", "--path", str(ckpt), "--input", "-", "--max-len-b", "8"]
+    # sampling is reproducible and does not depend on batching
+    a, _ = run_cli(base + ["--sampling", "--seed", "3", "--max-tokens", "8"], stdin)
+    b, _ = run_cli(base + ["--sampling", "--seed", "3"], stdin)
+    assert a == b and len(a.splitlines()) == 5
+    bf, _ = run_cli(base + ["--bf16"], stdin)
+    q, _ = run_cli(base + ["--quantize", "int8", "--threads", "1"], stdin)
+    assert len(bf.splitlines()) == len(q.splitlines()) == 5
+    long_line = " ".join(["water"] * 100)
+    with pytest.raises(UserError, match=r"stdin:2: the source has \d+ tokens but the model accepts at most 96"):
+        run_cli(base, f"Dog.\n{long_line}\n")
+    out, _ = run_cli(base + ["--truncate-source"], f"Dog.\n{long_line}\n")
+    assert len(out.splitlines()) == 2
+    with pytest.raises(UserError, match="--nbest must be between 1 and --beam"):
+        run_cli(base + ["--nbest", "5"], stdin)
+    with pytest.raises(UserError, match="give either DATA_BIN"):
+        run_cli(["generate", str(tmp_path), "--path", str(ckpt), "--input", "-"])
+    with pytest.raises(UserError, match="nothing to translate"):
+        run_cli(["generate", "--path", str(ckpt)])
+    with pytest.raises(UserError, match="no such checkpoint"):
+        run_cli(["generate", "--path", str(tmp_path / "missing.pt"), "--input", "-"])
+    with pytest.raises(UserError, match="without model.pt"):
+        run_cli(["generate", "--path", str(tmp_path), "--input", "-"])
+
+
+def test_cli_translate_through_a_pipe(ckpt):
+    stdin = "\n".join(SENTENCES) + "\n"
+    proc = subprocess.run([sys.executable, "-m", "attnmt.cli", "translate", "--path", str(ckpt), "--max-len-b", "12",
+                           "--buffer-size", "5", "--threads", "1"], input=stdin, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:-1] == library_translations(ckpt, SENTENCES)
+    # the same through the in-process runner (a stream without a file descriptor)
+    out, _ = run_cli(["translate", "--path", str(ckpt), "--max-len-b", "12", "--buffer-size", "3"], stdin)
+    assert out == proc.stdout
+
+
+def test_line_batches_answers_without_waiting_for_more_input():
+    from attnmt.cli.translate import line_batches
+
+    r, w = os.pipe()
+    old = signal.signal(signal.SIGALRM, lambda *a: pytest.fail("line_batches waited for input that never came"))
+    signal.alarm(10)
+    try:
+        with os.fdopen(r, "rb", buffering=0) as rf:
+            batches = line_batches(rf, limit=3)
+            os.write(w, b"eins\nzwei\n")
+            assert next(batches) == ["eins", "zwei"]
+            os.write(w, b"drei\n")
+            assert next(batches) == ["drei"]
+            os.write(w, b"a\nb\nc\nd\r\ne")
+            assert next(batches) == ["a", "b", "c"]
+            assert next(batches) == ["d"]
+            u = "ü".encode()  # a character split across two reads
+            os.write(w, u[:1])
+            os.write(w, u[1:] + b"\n")
+            assert next(batches) == ["eü"]
+            os.close(w)
+            w = None
+            assert list(batches) == []
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+        if w is not None:
+            os.close(w)
+
+
+def test_generator_refuses_overlong_sources_with_line_number(ckpt):
+    bundle, gen = _load(ckpt)
+    too_long = [5] * 100 + [bundle.symbols.eos]
+    with pytest.raises(UserError, match="input:3:"):
+        list(Generator(bundle.model, bundle.symbols, gen.search_cfg, max_source_positions=96).generate(
+            [[5, 2], [6, 2], too_long]))
