@@ -23,6 +23,7 @@ COMMANDS = {
     "train": "train",
     "generate": "generate",
     "translate": "translate",
+    "plot": "plot",
 }
 
 
