@@ -20,14 +20,17 @@ checksum) and options is up to date and left alone; one holding anything else is
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -45,6 +48,7 @@ from attnmt.registry import get
 
 FORMAT_VERSION = 1
 ENCODE_BATCH = 10_000
+MAX_PART_LINES = 100 * 1024  # bounds a worker's memory: a part's text and pieces are held in RAM
 # options that do not change the output (so they do not make a destdir "different")
 _NEUTRAL_OPTIONS = ("destdir", "workers", "trainpref", "validpref", "testpref", "srcdict", "tgtdict", "spm_model")
 
@@ -159,7 +163,7 @@ def _parts(split: Split, scans: dict[str, ScanResult], workers: int) -> list[Par
     if lines == 0:
         return [Part(split.name, 0, 0, 0, {lang: 0 for lang in split.paths})]
     target = max(1, workers * 4) if workers > 1 else 1
-    step = max(CHECKPOINT, -(-lines // target))
+    step = min(max(CHECKPOINT, -(-lines // target)), MAX_PART_LINES)
     step = -(-step // CHECKPOINT) * CHECKPOINT
     parts = []
     for k, start in enumerate(range(0, lines, step)):
@@ -299,14 +303,14 @@ class BinarizeJob:
     prefix: str  # output part dataset
 
 
-def binarize_part(job: BinarizeJob) -> tuple[int, int, int]:
-    """Map a pieces file to ids and write a part dataset; return (sentences, tokens incl. </s>, unk)."""
+def binarize_part(job: BinarizeJob) -> tuple[int, int, int, int]:
+    """Map a pieces file to ids and write a part dataset; return (sentences, tokens incl. </s>, unk, longest)."""
     key = ("dict", job.dict_path)
     if key not in _CACHE:
         _CACHE[key] = Dictionary.load(job.dict_path)
     d: Dictionary = _CACHE[key]
     unk = d.unk()
-    n = tokens = unks = 0
+    n = tokens = unks = longest = 0
     with IndexedDatasetBuilder(job.prefix, len(d)) as b:
         for line in read_lines(job.pieces):
             ids = d.encode_line(line)
@@ -314,7 +318,8 @@ def binarize_part(job: BinarizeJob) -> tuple[int, int, int]:
             n += 1
             tokens += len(ids)
             unks += ids.count(unk)
-    return n, tokens, unks
+            longest = max(longest, len(ids))
+    return n, tokens, unks, longest
 
 
 def scan_file(path: str) -> ScanResult:
@@ -333,7 +338,7 @@ class Runner:
         if workers > 1:
             # fork: workers inherit the loaded modules and registered plugins, and nothing re-imports __main__
             method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-            self.pool = mp.get_context(method).Pool(workers)
+            self.pool = mp.get_context(method).Pool(workers, initializer=_worker_init)
 
     def map(self, fn: Callable, jobs: list, progress: Callable[[Any], None] | None = None) -> list:
         if self.pool is None:
@@ -355,6 +360,29 @@ class Runner:
             self.pool.terminate()
             self.pool.join()
             self.pool = None
+
+
+def _worker_init() -> None:
+    # Ctrl-C and kill reach the main process, which ends the pool; workers just die when told to
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def _terminate_unwinds():
+    """SIGTERM (a scheduler's kill, ``timeout``) unwinds like Ctrl-C, so the temp directory is removed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def _indexed_call(arg):
@@ -503,9 +531,15 @@ def preprocess(cfg: PreprocessConfig, quiet: bool = False) -> dict[str, Any]:
     t0 = time.time()
     get("bpe", cfg.bpe)
     get("tokenizer", cfg.tokenizer)
-    src, tgt = cfg.source_lang, cfg.target_lang
     splits = _splits(cfg)
+    with _terminate_unwinds():
+        return _preprocess(cfg, splits, quiet, t0)
+
+
+def _preprocess(cfg: PreprocessConfig, splits: list[Split], quiet: bool, t0: float) -> dict[str, Any]:
+    src, tgt = cfg.source_lang, cfg.target_lang
     destdir = Path(cfg.destdir)
+    _CACHE.clear()  # models/dictionaries of an earlier run in this process are not this run's
     runner = Runner(cfg.workers)  # fork the workers before any thread exists (progress display, trainer)
     progress = Progress(quiet)
     try:
@@ -534,6 +568,7 @@ def preprocess(cfg: PreprocessConfig, quiet: bool = False) -> dict[str, Any]:
     finally:
         progress.close()
         runner.close()
+        _CACHE.clear()
     return {**summary, "up_to_date": False, "destdir": str(destdir), "elapsed_s": time.time() - t0}
 
 
@@ -615,9 +650,10 @@ def _build(cfg: PreprocessConfig, splits: list[Split], scans: dict[str, ScanResu
     stage = progress.stage("binarizing", len(bin_jobs))
     counts = runner.map(binarize_part, bin_jobs, stage)
     stage.done()
-    totals = {(s.name, lang): [0, 0, 0] for s in splits for lang in langs}
-    for job, result in zip(bin_jobs, counts):
-        totals[(job.split, job.lang)] = [a + b for a, b in zip(totals[(job.split, job.lang)], result)]
+    totals = {(s.name, lang): [0, 0, 0, 0] for s in splits for lang in langs}
+    for job, (n, toks, unks, longest) in zip(bin_jobs, counts):
+        t = totals[(job.split, job.lang)]
+        totals[(job.split, job.lang)] = [t[0] + n, t[1] + toks, t[2] + unks, max(t[3], longest)]
     for s in splits:
         for lang in langs:
             with IndexedDatasetBuilder(tmp / f"{s.name}.{src}-{tgt}.{lang}", len(dicts[lang])) as b:
@@ -668,9 +704,10 @@ def _summary(cfg, splits, scans, fingerprint, enc, totals, dicts, dict_paths, bp
         examples = {k: [n for r in rs for n in r.skipped_examples[k]][:10] for k in ("empty", "too_long")}
         sides = {}
         for lang in (src, tgt):
-            n, toks, unks = totals[(s.name, lang)]
+            n, toks, unks, longest = totals[(s.name, lang)]
             words = toks - n  # </s> is never unknown
-            sides[lang] = {"tokens": toks, "unk": unks, "unk_rate": round(unks / words, 6) if words else 0.0}
+            sides[lang] = {"tokens": toks, "unk": unks, "unk_rate": round(unks / words, 6) if words else 0.0,
+                           "max_tokens": longest}
         split_info[s.name] = {
             "prefix": s.prefix,
             "inputs": {lang: {"path": p, "sha256": scans[p].sha256, "lines": scans[p].lines}

@@ -113,14 +113,15 @@ class SentencePieceBPE:
         import sentencepiece as spm
 
         cfg = cfg or SentencePieceConfig(vocab_size=vocab_size, max_sentences=max_sentences)
-        n = _count_sample(files, max_sentences)
+        total = sum(1 for _ in _nonempty_lines(files))
+        n = min(total, max_sentences) if max_sentences > 0 else total
         if n == 0:
             raise UserError(f"{', '.join(map(str, files))}: no non-empty lines to learn SentencePiece from; "
                             f"check the training files")
         writer = io.BytesIO()
         try:
             spm.SentencePieceTrainer.train(
-                sentence_iterator=_sample(files, max_sentences, cfg.seed), model_writer=writer,
+                sentence_iterator=_sample(files, total, n, cfg.seed), model_writer=writer,
                 vocab_size=vocab_size, model_type="bpe", character_coverage=cfg.character_coverage,
                 # the sample is already capped: the trainer takes all of it and does not sample again
                 input_sentence_size=0, shuffle_input_sentence=False, num_threads=cfg.num_threads,
@@ -190,21 +191,15 @@ def _nonempty_lines(files: list[str]) -> Iterator[str]:
                     yield line
 
 
-def _count_sample(files: list[str], max_sentences: int) -> int:
-    total = sum(1 for _ in _nonempty_lines(files))
-    return min(total, max_sentences) if max_sentences > 0 else total
-
-
-def _sample(files: list[str], max_sentences: int, seed: int) -> Iterator[str]:
-    """The non-empty lines of ``files``: all of them, or a fixed-seed sample of ``max_sentences`` (in order)."""
+def _sample(files: list[str], total: int, n: int, seed: int) -> Iterator[str]:
+    """``n`` of the ``total`` non-empty lines of ``files``: all of them, or a fixed-seed sample (in file order)."""
     import numpy as np
 
-    total = sum(1 for _ in _nonempty_lines(files))
-    if max_sentences <= 0 or total <= max_sentences:
+    if n >= total:
         yield from _nonempty_lines(files)
         return
     keep = np.zeros(total, dtype=bool)
-    keep[np.random.default_rng(seed).choice(total, size=max_sentences, replace=False)] = True
+    keep[np.random.default_rng(seed).choice(total, size=n, replace=False)] = True
     for i, line in enumerate(_nonempty_lines(files)):
         if keep[i]:
             yield line
