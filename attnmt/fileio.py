@@ -16,6 +16,7 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", encoding: str | None =
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give the result the permissions open() would
     binary = "b" in mode
     try:
         with os.fdopen(fd, mode, encoding=None if binary else encoding) as f:
@@ -27,6 +28,12 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", encoding: str | None =
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def atomic_torch_save(obj, path: str | os.PathLike) -> None:
