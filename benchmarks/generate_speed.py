@@ -165,7 +165,7 @@ def run_ct2(args) -> dict:
 
     bundle = load_for_inference(args.path)
     sources, refs = load_data(args, bundle)
-    pieces = [bundle.source_pieces(s).split() + ["</s>"] for s in sources]
+    pieces = [bundle.source_pieces(s).split() for s in sources]  # CTranslate2 appends the EOS itself
     longest = max(len(p) for p in pieces)
     cfg = {"model": args.ct2_model, "threads": args.threads, "beam": args.beam, "lenpen": args.lenpen,
            "max_tokens": args.max_tokens, "repeats": args.repeats, "pieces": pieces,
