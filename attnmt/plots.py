@@ -175,6 +175,7 @@ def plot_curves(log: TrainLog, title: str | None = None):
             ax.annotate(f"{s.values[best]:.3f}", (s.updates[best], s.values[best]), textcoords="offset points",
                         xytext=(0, 7), ha="center", fontsize=8, color=c)
     ax.set_ylabel("loss (bits per token)")
+    ax.margins(y=0.1)  # room for the annotation of the best point
     ax.grid(True, alpha=0.3)
     ax.legend(loc="upper right", fontsize=9)
     if has_bleu:
@@ -187,6 +188,7 @@ def plot_curves(log: TrainLog, title: str | None = None):
                 bx.annotate(f"{s.values[best]:.2f}", (s.updates[best], s.values[best]), textcoords="offset points",
                             xytext=(0, 7), ha="center", fontsize=8, color=c)
         bx.set_ylabel("BLEU")
+        bx.margins(y=0.15)
         bx.grid(True, alpha=0.3)
         bx.legend(loc="lower right", fontsize=9)
     axes[-1].set_xlabel("updates")
@@ -316,7 +318,7 @@ def plot_attention(dump: AttentionDump, layer: int = -1, head: str | int = "mean
     w = dump.weights[li]  # (H, T, S)
     n = max(S, T)
     cell = 0.3 if n <= 40 else max(0.1, 12.0 / n)  # inches per token: long sentences shrink instead of growing
-    fontsize = max(4.0, min(9.0, cell * 28))
+    fontsize = max(5.0, min(9.0, cell * 28))
     pad_w, pad_h = 1.8, 1.6  # tick labels, colour bar and title
     side = f"{dump.source_lang}->{dump.target_lang}"
     what = "reference (forced)" if dump.forced else (
@@ -335,10 +337,10 @@ def plot_attention(dump: AttentionDump, layer: int = -1, head: str | int = "mean
                 continue
             im = _panel(ax, w[h].numpy(), dump, vmax, fontsize, show_y=h % cols == 0)
             ax.set_title(f"head {h}", fontsize=9)
-        fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8, label="attention weight")
+        fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8, aspect=30, label="attention weight")
         fig.supxlabel(f"source ({dump.source_lang})", fontsize=9)
         fig.supylabel(f"target ({dump.target_lang}, {what})", fontsize=9)
-        sub = f"layer {li} of 0..{L - 1}, every head"
+        sub = f"decoder layer {li} (0..{L - 1}), every head"
     else:
         m = w.mean(0) if head == "mean" else w[head % H]
         fig = new_figure(max(4.5, S * cell + pad_w + 0.8), max(3.5, T * cell + pad_h))
@@ -346,7 +348,7 @@ def plot_attention(dump: AttentionDump, layer: int = -1, head: str | int = "mean
         im = _panel(ax, m.numpy(), dump, float(m.max()), fontsize)
         ax.set_xlabel(f"source ({dump.source_lang})")
         ax.set_ylabel(f"target ({dump.target_lang}, {what})")
-        fig.colorbar(im, ax=ax, shrink=0.9, label="attention weight")
-        sub = f"layer {li} of 0..{L - 1}, " + (f"mean of {H} heads" if head == "mean" else f"head {head % H} of {H}")
+        fig.colorbar(im, ax=ax, shrink=0.9, aspect=30, label="attention weight")
+        sub = f"decoder layer {li} (0..{L - 1}), " + (f"mean of {H} heads" if head == "mean" else f"head {head % H} of {H}")
     fig.suptitle(title or f"{side} encoder-decoder attention: {sub}", fontsize=10)
     return fig
