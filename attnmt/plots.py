@@ -44,9 +44,10 @@ def _figure_class():
 
 def new_figure(width: float, height: float):
     """A figure of ``width`` x ``height`` inches with constrained layout, bound to the Agg canvas."""
+    figure_class = _figure_class()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    fig = _figure_class()(figsize=(width, height), layout="constrained")
+    fig = figure_class(figsize=(width, height), layout="constrained")
     FigureCanvasAgg(fig)
     return fig
 

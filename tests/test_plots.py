@@ -317,3 +317,13 @@ def test_plot_functions_reject_out_of_range_layers_directly():
     fig = plot_attention(dump, layer=-3, head=0)
     assert fig.axes[0].get_xticklabels()[0].get_text() == "a"
     assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["x", "</s>"]
+
+
+def test_missing_matplotlib_is_a_one_line_error(tmp_path, capsys, monkeypatch):
+    log = tmp_path / "train.jsonl"
+    write_log(log, synthetic_records(False))
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib.figure", None)  # as if not installed
+    with pytest.raises(SystemExit):
+        main(["plot", "curves", "--log", str(log), "--out", str(tmp_path / "c.png")])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install 'attnmt[plots]'" in err

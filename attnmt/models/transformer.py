@@ -11,6 +11,8 @@ Read top to bottom, the file follows the paper:
 * 3.2.3 uses of attention: padding masks for encoder self-attention and encoder-decoder attention, a causal
   mask for decoder self-attention -> ``key_padding_mask`` and ``is_causal`` in the decoder
 * the model, its config, its named architectures (Table 3 rows) -> ``TransformerModel``, ``TransformerConfig``
+* analysis: the encoder-decoder attention weights written out (SDPA does not return them), for attention
+  heat maps -> ``MultiHeadAttention.attention_weights``, ``TransformerModel.cross_attention_weights``
 
 Label smoothing (5.4) belongs to the training criterion, not to the model.
 
