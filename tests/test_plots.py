@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 import pytest
 import torch
@@ -322,7 +323,7 @@ def test_plot_functions_reject_out_of_range_layers_directly():
 def test_missing_matplotlib_is_a_one_line_error(tmp_path, capsys, monkeypatch):
     log = tmp_path / "train.jsonl"
     write_log(log, synthetic_records(False))
-    monkeypatch.setitem(__import__("sys").modules, "matplotlib.figure", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # as if not installed
     with pytest.raises(SystemExit):
         main(["plot", "curves", "--log", str(log), "--out", str(tmp_path / "c.png")])
     err = capsys.readouterr().err
