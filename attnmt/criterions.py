@@ -18,7 +18,6 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from attnmt.registry import register
 
@@ -40,17 +39,75 @@ class CrossEntropyConfig:
     pass
 
 
-def _flat_logits_and_target(model, batch, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the model and keep only non-padding target positions (the loss never sees padding)."""
+def _logits_and_target(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
     net = batch["net_input"]
     logits = model(net["src_tokens"], net["src_lengths"], net["prev_output_tokens"])  # (B, T, V)
-    target = batch["target"]  # (B, T)
-    keep = target.ne(pad)
-    return logits[keep], target[keep]  # (N, V), (N,)
+    return logits.reshape(-1, logits.size(-1)), batch["target"].reshape(-1)  # (N, V), (N,)
+
+
+_BLOCK_ELEMENTS = 1 << 22  # rows are processed in blocks of about 4M logits (16 MB in fp32)
+
+
+def _row_blocks(n: int, vocab: int):
+    step = max(1, _BLOCK_ELEMENTS // max(vocab, 1))
+    for i in range(0, n, step):
+        yield slice(i, min(i + step, n))
+
+
+class _SmoothedNLL(torch.autograd.Function):
+    """Label-smoothed cross-entropy over logits in one pass, with its gradient written directly.
+
+    Forward, per row (in fp32, a block of rows at a time): ``lse = logsumexp(x)``, ``nll = lse - x_y``,
+    ``smooth = V * lse - sum_v x_v``. Backward: ``d loss / d x = softmax(x) - q`` with the smoothed target
+    ``q = (1 - eps) onehot(y) + eps / V``, zero on padding rows. No (N, V) tensor is kept in fp32 and there is
+    no masked gather/scatter of the logits: on CPU those cost more than the loss itself.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, weight, epsilon: float):
+        n, vocab = logits.shape
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        nll = torch.empty(n, dtype=torch.float32, device=logits.device)
+        total = torch.zeros(n, dtype=torch.float32, device=logits.device)
+        for rows in _row_blocks(n, vocab):
+            x = logits[rows].float()
+            lse[rows] = torch.logsumexp(x, dim=-1)
+            nll[rows] = lse[rows] - x.gather(-1, target[rows, None]).squeeze(-1)
+            if epsilon:
+                total[rows] = x.sum(-1)
+        nll_sum = (nll * weight).sum()
+        if epsilon:
+            smooth_sum = ((vocab * lse - total) * weight).sum()
+            loss = (1.0 - epsilon) * nll_sum + (epsilon / vocab) * smooth_sum
+        else:
+            loss = nll_sum.clone()
+        ctx.save_for_backward(logits, target, weight, lse)
+        ctx.epsilon = epsilon
+        return loss, nll_sum
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_nll):
+        logits, target, weight, lse = ctx.saved_tensors
+        eps = ctx.epsilon
+        n, vocab = logits.shape
+        grad = torch.empty_like(logits)
+        # d/dx of (g_loss * loss + g_nll * nll) = (g_loss + g_nll) * p - g_loss * q - g_nll * onehot
+        g_loss = weight * grad_loss.float()
+        g_nll = weight * grad_nll.float() if grad_nll is not None else torch.zeros_like(weight)
+        g_p = g_loss + g_nll
+        g_hot = -((1.0 - eps) * g_loss + g_nll)
+        for rows in _row_blocks(n, vocab):
+            block = torch.exp(logits[rows].float() - lse[rows, None])  # softmax, (rows, V)
+            block *= g_p[rows, None]
+            if eps:
+                block -= g_loss[rows, None] * (eps / vocab)
+            block.scatter_add_(-1, target[rows, None], g_hot[rows, None])
+            grad[rows] = block
+        return grad, None, None, None
 
 
 def label_smoothed_nll_loss(lprobs: torch.Tensor, target: torch.Tensor, epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed smoothed loss and summed NLL for fp32 ``lprobs`` (N, V) and ``target`` (N,).
+    """Summed smoothed loss and summed NLL for fp32 ``lprobs`` (N, V) and ``target`` (N,): the reference formula.
 
     The smoothed target distribution is q = (1 - eps) * onehot(y) + eps / V (uniform over the whole vocabulary,
     Szegedy et al. 2016, as in the paper). The cross-entropy against q is
@@ -64,6 +121,17 @@ def label_smoothed_nll_loss(lprobs: torch.Tensor, target: torch.Tensor, epsilon:
     vocab = lprobs.size(-1)
     loss = (1.0 - epsilon) * nll_sum + (epsilon / vocab) * smooth_sum
     return loss, nll_sum
+
+
+def smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, pad: int,
+                           epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss sum, NLL sum) of ``logits`` (N, V), any float dtype, against ``target`` (N,); padding rows ignored.
+
+    The same value as :func:`label_smoothed_nll_loss` on ``log_softmax(logits.float())`` of the non-padding rows,
+    computed in fp32 by the one-pass kernel :class:`_SmoothedNLL`.
+    """
+    keep = target.ne(pad)
+    return _SmoothedNLL.apply(logits, target.masked_fill(~keep, 0), keep.float(), float(epsilon))
 
 
 def _logging(loss: torch.Tensor, nll: torch.Tensor, batch) -> dict:
@@ -85,9 +153,8 @@ class LabelSmoothedCrossEntropy:
         self.pad = pad
 
     def __call__(self, model, batch) -> tuple[torch.Tensor, dict]:
-        logits, target = _flat_logits_and_target(model, batch, self.pad)
-        lprobs = F.log_softmax(logits.float(), dim=-1)
-        loss, nll = label_smoothed_nll_loss(lprobs, target, self.cfg.label_smoothing)
+        logits, target = _logits_and_target(model, batch)
+        loss, nll = smoothed_cross_entropy(logits, target, self.pad, self.cfg.label_smoothing)
         return loss, _logging(loss, nll, batch)
 
 
@@ -100,8 +167,8 @@ class CrossEntropy:
         self.pad = pad
 
     def __call__(self, model, batch) -> tuple[torch.Tensor, dict]:
-        logits, target = _flat_logits_and_target(model, batch, self.pad)
-        loss = F.cross_entropy(logits.float(), target, reduction="sum")
+        logits, target = _logits_and_target(model, batch)
+        loss, _ = smoothed_cross_entropy(logits, target, self.pad, 0.0)
         return loss, _logging(loss, loss, batch)
 
 

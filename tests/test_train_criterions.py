@@ -108,3 +108,39 @@ def test_label_smoothing_out_of_range_is_a_user_error():
 
     with pytest.raises(UserError, match="label-smoothing"):
         make_config(LabelSmoothedCrossEntropyConfig, {"label_smoothing": 1.5})
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_fused_loss_gradient_equals_autograd_reference(eps):
+    from attnmt.criterions import label_smoothed_nll_loss, smoothed_cross_entropy
+
+    torch.manual_seed(3)
+    logits = torch.randn(10, 13, requires_grad=True)
+    target = torch.randint(2, 13, (10,))
+    target[[1, 7]] = PAD
+    loss, nll = smoothed_cross_entropy(logits, target, PAD, eps)
+    (2.5 * loss).backward()
+    ref_logits = logits.detach().clone().requires_grad_(True)
+    keep = target.ne(PAD)
+    ref_loss, ref_nll = label_smoothed_nll_loss(torch.log_softmax(ref_logits[keep], -1), target[keep], eps)
+    (2.5 * ref_loss).backward()
+    assert torch.allclose(loss, ref_loss, rtol=1e-6) and torch.allclose(nll, ref_nll, rtol=1e-6)
+    assert torch.allclose(logits.grad, ref_logits.grad, atol=1e-6)
+    assert torch.count_nonzero(logits.grad[[1, 7]]) == 0  # padding rows get no gradient
+
+
+def test_fused_loss_on_bf16_logits_gives_bf16_gradient_close_to_fp32():
+    from attnmt.criterions import smoothed_cross_entropy
+
+    torch.manual_seed(4)
+    base = torch.randn(6, 40)
+    target = torch.randint(2, 40, (6,))
+    x32 = base.clone().requires_grad_(True)
+    x16 = base.to(torch.bfloat16).requires_grad_(True)
+    l32, _ = smoothed_cross_entropy(x32, target, PAD, 0.1)
+    l16, _ = smoothed_cross_entropy(x16, target, PAD, 0.1)
+    l32.backward()
+    l16.backward()
+    assert l16.dtype == torch.float32 and x16.grad.dtype == torch.bfloat16
+    assert float(l16.detach()) == pytest.approx(float(l32.detach()), rel=1e-2)
+    assert torch.allclose(x16.grad.float(), x32.grad, atol=1e-2)

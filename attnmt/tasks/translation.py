@@ -125,7 +125,7 @@ class TranslationTask:
 
     def data_state(self) -> dict:
         """The checkpoint's ``data`` section: what inference needs without DATA_BIN."""
-        spm = self.data_bin / "spm.model"
+        spm = self.data_bin / str(_meta_get(self.meta, "bpe_model", default="spm.model"))
         bpe = str(_meta_get(self.meta, "bpe", default="sentencepiece" if spm.exists() else "none"))
         bpe_model = None
         if spm.exists():

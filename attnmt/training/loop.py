@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -67,6 +67,9 @@ class TrainConfig:
     cpu: bool = field(default=False, metadata={"help": "train on the CPU even when CUDA is available"})
     threads: int | None = field(default=None, metadata={"help": "CPU threads for torch (torch.set_num_threads)"})
     clip_norm: float = field(default=0.0, metadata={"help": "clip the gradient norm to this value (0: off)"})
+    cpu_attention: Literal["auto", "math", "flash"] = field(default="auto", metadata={
+        "help": "attention kernel on CPU: math (matmul-softmax-matmul, fastest for sentences up to ~128 tokens), "
+                "flash (fused, faster for long sequences) or auto (math up to 128 tokens, flash beyond)"})
     # checkpoints
     save_dir: str = field(default="checkpoints", metadata={"help": "directory for checkpoints and train.jsonl"})
     save_interval: int = field(default=1, metadata={"help": "save an epoch checkpoint every N epochs"})
@@ -103,7 +106,7 @@ class TrainConfig:
         "help": "start from this checkpoint's weights only (ignored when SAVE_DIR/checkpoint_last.pt exists)"})
     # output
     log_interval: int = field(default=100, metadata={"help": "log training figures every N updates"})
-    progress: str = field(default="auto", metadata={
+    progress: Literal["auto", "bar", "lines", "none"] = field(default="auto", metadata={
         "help": "progress display on stderr: auto (bar on a terminal, lines otherwise), bar, lines, none"})
     world_size: int = field(default=1, metadata={"help": "number of training processes", "cli": False})
     rank: int = field(default=0, metadata={"help": "this process's rank", "cli": False})
@@ -121,8 +124,6 @@ class TrainConfig:
             raise ValueError(f"--log-interval must be >= 1, got {self.log_interval}")
         if self.bf16 and self.fp16:
             raise ValueError("--bf16 and --fp16 exclude each other; pick one")
-        if self.progress not in ("auto", "bar", "lines", "none"):
-            raise ValueError(f"--progress {self.progress!r}: use auto, bar, lines or none")
         if self.best_checkpoint_metric not in ("loss", "nll_loss", "ppl", "bleu"):
             raise ValueError(f"--best-checkpoint-metric {self.best_checkpoint_metric!r}: use loss, nll_loss, ppl or "
                              f"bleu")
@@ -465,7 +466,7 @@ def train(data_bin: str | os.PathLike, setup: Setup, cfg: TrainConfig,
     optimizer = build_optimizer(setup.optimizer, setup.optimizer_cfg, model.parameters(),
                                 lr=getattr(setup.lr_scheduler_cfg, "lr", 1e-3))
     trainer = Trainer(model, criterion, optimizer, lr_scheduler, device=device, precision=precision,
-                      clip_norm=cfg.clip_norm, world_size=cfg.world_size)
+                      clip_norm=cfg.clip_norm, world_size=cfg.world_size, cpu_attention=cfg.cpu_attention)
     max_positions = model.max_positions()
     itr, skipped = make_train_iterator(task, cfg, max_positions)
     valid_sets = {} if cfg.disable_validation else {
