@@ -188,7 +188,8 @@ def check_data_dir(bundle: InferenceBundle, data_bin: str | os.PathLike) -> None
 
 
 def quantize_int8(model: nn.Module) -> nn.Module:
-    """Dynamic int8 quantization of every ``nn.Linear`` (weights int8, activations quantized per batch; CPU only).
+    """Dynamic int8 quantization of every ``nn.Linear``: int8 weights with one scale per output row (per-channel,
+    more accurate than one scale per matrix at the same speed), activations quantized on the fly; CPU only.
 
     torch 2.x marks ``torch.ao.quantization`` deprecated in favour of torchao but still ships it; the warnings are
     silenced here because the user asked for exactly this.
@@ -197,9 +198,9 @@ def quantize_int8(model: nn.Module) -> nn.Module:
         raise UserError("--quantize int8 runs on the CPU only; add --device cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        from torch.ao.quantization import quantize_dynamic
+        from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
-        return quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8).eval()
+        return quantize_dynamic(model, {nn.Linear: per_channel_dynamic_qconfig}).eval()
 
 
 def load_generator(path: str | os.PathLike, search_cfg, gen_cfg):
