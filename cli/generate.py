@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 
 import click
 
@@ -75,6 +76,7 @@ def command(data_bin, path, gen_subset, input_path, fmt, output, quiet, **params
     from attnmt.inference import load_generator
     from attnmt.scoring import read_lines
 
+    start = time.perf_counter()
     search_cfg, gen_cfg = configs(params)
     if input_path is None and data_bin is None:
         raise UserError("nothing to translate: give DATA_BIN (a directory written by attnmt preprocess) or "
@@ -103,7 +105,7 @@ def command(data_bin, path, gen_subset, input_path, fmt, output, quiet, **params
     finally:
         progress.close()
     if not quiet:
-        click.echo(f"attnmt generate: {generator.stats.summary()}", err=True)
+        click.echo(f"attnmt generate: {generator.stats.summary(time.perf_counter() - start)}", err=True)
 
 
 add_options(command, list(OPTION_CLASSES.values()))

@@ -10,6 +10,7 @@ import codecs
 import os
 import select
 import sys
+import time
 from collections import deque
 from collections.abc import Iterator
 
@@ -94,6 +95,7 @@ def command(path, buffer_size, fmt, quiet, **params):
     from attnmt.generation.generator import format_result, write_lines
     from attnmt.inference import load_generator
 
+    start = time.perf_counter()
     search_cfg, gen_cfg = configs(params)
     bundle, generator = load_generator(path, search_cfg, gen_cfg)
     if sys.stdin.isatty() and not quiet:
@@ -109,7 +111,7 @@ def command(path, buffer_size, fmt, quiet, **params):
         out.flush()
         first += len(lines)
     if not quiet:
-        click.echo(f"attnmt translate: {generator.stats.summary()}", err=True)
+        click.echo(f"attnmt translate: {generator.stats.summary(time.perf_counter() - start)}", err=True)
 
 
 add_options(command, [SearchConfig, GenerationConfig])

@@ -88,10 +88,13 @@ class GenerationStats:
     target_tokens: int = 0  # of the best hypotheses, final EOS included
     seconds: float = 0.0
 
-    def summary(self) -> str:
+    def summary(self, wall: float | None = None) -> str:
+        """One line; rates are per second of search (batching, encoder, decoder); ``wall`` adds the total time."""
         s = max(self.seconds, 1e-9)
-        return (f"translated {self.sentences} sentences ({self.target_tokens} target tokens) in {self.seconds:.1f}s: "
-                f"{self.sentences / s:.2f} sentences/s, {self.target_tokens / s:.1f} target tokens/s")
+        total = f", {wall:.1f}s wall time in all (loading and text processing included)" if wall is not None else ""
+        return (f"translated {self.sentences} sentences ({self.target_tokens} target tokens) in {self.seconds:.1f}s "
+                f"of search: {self.sentences / s:.2f} sentences/s, {self.target_tokens / s:.1f} target tokens/s"
+                f"{total}")
 
 
 class Generator:
