@@ -90,3 +90,17 @@ def test_bad_options_are_one_line_errors(tmp_path, extra, message):
 def test_missing_data_bin_is_a_user_error(tmp_path):
     code, err = _run_cli(tmp_path / "nope", "--arch", "transformer_small", "--save-dir", tmp_path / "ck")
     assert code == 1 and "no such data directory" in err and len(err.splitlines()) == 1
+
+
+def test_eval_bleu_picks_the_best_checkpoint(tmp_path):
+    data = make_data_bin(tmp_path / "bin", n_train=64)
+    ck = tmp_path / "ck"
+    main(["train", str(data), *TINY_MODEL, "--save-dir", str(ck), "--max-tokens", "256", "--max-epoch", "2",
+          "--progress", "none", "--eval-bleu", "--eval-bleu-max-sentences", "6", "--eval-bleu-beam", "2",
+          "--eval-bleu-max-len-b", "3", "--best-checkpoint-metric", "bleu", "--maximize-best-checkpoint-metric"])
+    valid = _records(ck, "valid")
+    assert len(valid) == 2
+    for r in valid:
+        assert 0.0 <= r["bleu"] <= 100.0 and r["bleu_sentences"] == 6 and "best_bleu" in r
+    best = torch.load(ck / "checkpoint_best.pt", weights_only=True)["train"]["best"]
+    assert best["metric"] == "bleu" and best["maximize"] is True and best["value"] == max(r["bleu"] for r in valid)

@@ -1,0 +1,58 @@
+"""``--eval-bleu``: decode the validation set with beam search during training and score it with sacreBLEU.
+
+A validator is a callable ``validator(model) -> {"bleu": float, ...}`` that the loop runs after the loss-based
+validation of the first ``--valid-subset``; this module provides the BLEU one.
+
+Hypotheses and references are both detokenized through the data pipeline of DATA_BIN (SentencePiece pieces ->
+text, then the Moses detokenizer when preprocessing tokenized): the references are the binarized validation
+targets decoded back to text, i.e. the raw references up to SentencePiece normalisation and unknown pieces.
+The score is sacreBLEU's default (13a tokenization, cased), as ``attnmt score`` reports.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+class BleuValidator:
+    """Beam-search the validation sources and return corpus BLEU against the validation targets."""
+
+    def __init__(self, task, cfg, device: torch.device, precision: str):
+        from attnmt.generation.search import SearchConfig, Symbols
+        from attnmt.inference import build_pipelines
+
+        self.task = task
+        self.device = device
+        self.bf16 = precision == "bf16"
+        self.max_tokens = cfg.max_tokens
+        self.batch_size = cfg.batch_size
+        split = task.valid_subsets()[0]
+        data = task.dataset(split)
+        n = len(data) if cfg.eval_bleu_max_sentences <= 0 else min(len(data), cfg.eval_bleu_max_sentences)
+        self.sources = [data.src[i].astype("int64").tolist() for i in range(n)]
+        _, self.tgt_pipeline = build_pipelines(task.data_state(), task.data_bin)
+        self.refs = [self.tgt_pipeline.decode(task.tgt_dict.string(data.tgt[i])) for i in range(n)]
+        self.search_cfg = SearchConfig(beam=cfg.eval_bleu_beam, lenpen=cfg.eval_bleu_lenpen,
+                                       max_len_a=cfg.eval_bleu_max_len_a, max_len_b=cfg.eval_bleu_max_len_b)
+        self.symbols = Symbols.from_dictionary(task.tgt_dict)
+
+    def __call__(self, model: torch.nn.Module) -> dict:
+        from attnmt.generation.generator import Generator
+        from attnmt.scoring import corpus_bleu
+
+        t0 = time.perf_counter()
+        was_training = model.training
+        model.eval()
+        try:
+            gen = Generator(model, self.symbols, self.search_cfg, device=self.device, bf16=self.bf16,
+                            max_source_positions=model.max_positions()[0], truncate_source=True)
+            hyps = [""] * len(self.sources)
+            for i, h in gen.generate(self.sources, max_tokens=self.max_tokens, batch_size=self.batch_size,
+                                     where="validation"):
+                hyps[i] = self.tgt_pipeline.decode(self.task.tgt_dict.string(h[0].tokens)) if h else ""
+        finally:
+            model.train(was_training)
+        result = corpus_bleu(hyps, self.refs)
+        return {"bleu": float(result.score), "bleu_sentences": len(hyps), "bleu_seconds": time.perf_counter() - t0}
