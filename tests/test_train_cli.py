@@ -104,3 +104,18 @@ def test_eval_bleu_picks_the_best_checkpoint(tmp_path):
         assert 0.0 <= r["bleu"] <= 100.0 and r["bleu_sentences"] == 6 and "best_bleu" in r
     best = torch.load(ck / "checkpoint_best.pt", weights_only=True)["train"]["best"]
     assert best["metric"] == "bleu" and best["maximize"] is True and best["value"] == max(r["bleu"] for r in valid)
+
+
+def test_time_limits_stop_and_save(tmp_path):
+    data = make_data_bin(tmp_path / "bin", n_train=64)
+    ck = tmp_path / "ck"
+    # a tiny time budget: training stops after its first update; every update is past the save interval
+    main(["train", str(data), *TINY_MODEL, "--save-dir", str(ck), "--max-tokens", "256", "--max-epoch", "5",
+          "--max-time-minutes", "1e-6", "--save-interval-minutes", "1e-6", "--progress", "none"])
+    s = _records(ck, "summary")[-1]
+    assert s["stop_reason"] == "max_time" and s["num_updates"] == 1
+    assert (ck / "checkpoint_last.pt").exists()
+    # the time already spent counts on resume: nothing more to do
+    main(["train", str(data), *TINY_MODEL, "--save-dir", str(ck), "--max-tokens", "256", "--max-epoch", "5",
+          "--max-time-minutes", "1e-6", "--progress", "none"])
+    assert _records(ck, "summary")[-1]["num_updates"] == 1

@@ -574,9 +574,12 @@ def _run(trainer: Trainer, task, setup: Setup, cfg: TrainConfig, model_name: str
             stop = "max_epoch"
     if cfg.max_update and trainer.num_updates >= cfg.max_update:
         stop = "max_update"
+    if cfg.max_time_minutes and train_time0 >= cfg.max_time_minutes * 60:
+        stop = "max_time"
     if stop:
+        flag = {"max_time": "max-time-minutes"}.get(stop, stop.replace("_", "-"))
         log.info(f"nothing to do: already at {stop.replace('_', ' ')} (update {trainer.num_updates}, epoch "
-                 f"{itr.epoch}); raise --{stop.replace('_', '-')} to train further")
+                 f"{itr.epoch}); raise --{flag} to train further")
     log.advance(trainer.num_updates, itr.epoch)
     while stop is None:
         if itr.end_of_epoch():
@@ -644,8 +647,12 @@ def _log_train(log: RunLog, meter: Meter, trainer: Trainer, itr: EpochBatchItera
     meter.reset()
     ups_run = (n - start_updates) / max(time.perf_counter() - run_start, 1e-9)
     eta = None
-    if cfg.max_update and ups_run > 0:
-        eta = (cfg.max_update - n) / ups_run
+    if ups_run > 0:
+        per_epoch = math.ceil(len(itr) / cfg.update_freq)
+        left = [cfg.max_update - n] if cfg.max_update else []
+        if cfg.max_epoch:
+            left.append((cfg.max_epoch - itr.epoch) * per_epoch + math.ceil((len(itr) - itr.offset) / cfg.update_freq))
+        eta = min(left) / ups_run if left else None
     rec = {"type": "train", "epoch": itr.epoch, "num_updates": n, "loss": m["loss"], "nll_loss": m["nll_loss"],
            "ppl": m["ppl"], "lr": trainer.lr, "wps": m["wps"], "ups": m["ups"], "gnorm": m["gnorm"],
            "ntokens": m["ntokens"], "nsentences": m["nsentences"], "train_time": train_time, "eta_s": eta}
