@@ -180,9 +180,9 @@ class RunLog:
         if self.mode == "bar":
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(bar_width=20), MofNCompleteColumn(),
                                 TimeRemainingColumn(), TextColumn("{task.fields[stats]}"), console=self.console,
-                                transient=False)
+                                transient=False, expand=False)
             self.bar.start()
             self.task_id = self.bar.add_task("train", total=total, completed=done, stats="")
 
@@ -197,15 +197,15 @@ class RunLog:
 
     def advance(self, num_updates: int, epoch: int, stats: str = "") -> None:
         if self.bar is not None:
-            self.bar.update(self.task_id, completed=num_updates, description=f"epoch {epoch}",
+            self.bar.update(self.task_id, completed=num_updates, description=f"ep {epoch}",
                             **({"stats": stats} if stats else {}))
 
-    def line(self, text: str) -> None:
-        """A log line: printed in plain-lines mode, shown next to the bar otherwise."""
+    def line(self, text: str, compact: str) -> None:
+        """A log line: printed in plain-lines mode; its ``compact`` form is shown next to the bar otherwise."""
         if self.mode == "lines":
             self.info(text)
         elif self.bar is not None:
-            self.bar.update(self.task_id, stats=text)
+            self.bar.update(self.task_id, stats=compact)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -499,6 +499,7 @@ def train(data_bin: str | os.PathLike, setup: Setup, cfg: TrainConfig,
         _report_start(log, task, setup, cfg, model, itr, skipped, valid_sets, device, precision, notes)
         summary = _run(trainer, task, setup, cfg, model_name, model_cfg, data_state, itr, valid_sets,
                        extra_validators, best, log, save_dir, train_time, is_master)
+        summary["skipped_train"] = len(skipped)
         summary["wall_s"] = time.perf_counter() - t_start
         log.record(summary)
         _report_end(log, summary)
@@ -537,7 +538,8 @@ def _report_end(log: RunLog, s: dict) -> None:
     v = s.get("valid") or {}
     vtxt = "".join(f" | valid {k} {_fmt(x)}" for k, x in v.items() if k in ("loss", "ppl", "bleu"))
     log.info(f"done ({s['stop_reason']}): {s['num_updates']} updates, epoch {s['epoch']}, "
-             f"train time {_hms(s['train_time'])}{vtxt} | best {s['best_metric']} {s['best']}")
+             f"train time {_hms(s['train_time'])}{vtxt} | best {s['best_metric']} "
+             f"{_fmt(s['best']) if s['best'] is not None else '-'}")
 
 
 def _run(trainer: Trainer, task, setup: Setup, cfg: TrainConfig, model_name: str, model_cfg, data_state: dict,
@@ -661,4 +663,6 @@ def _log_train(log: RunLog, meter: Meter, trainer: Trainer, itr: EpochBatchItera
             f"loss {m['loss']:.3f} | nll {m['nll_loss']:.3f} | ppl {_fmt(m['ppl'])} | lr {trainer.lr:.3g} | "
             f"wps {m['wps']:.0f} | ups {m['ups']:.2f} | gnorm {m['gnorm']:.3f}"
             + (f" | eta {_hms(eta)}" if eta is not None else ""))
-    log.line(text)
+    compact = (f"loss {m['loss']:.3f} ppl {_fmt(m['ppl'])} lr {trainer.lr:.2e} wps {m['wps']:.0f} "
+               f"ups {m['ups']:.2f} gnorm {m['gnorm']:.2f}")
+    log.line(text, compact)
