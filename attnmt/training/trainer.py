@@ -9,6 +9,13 @@ all-reduce when ``torch.distributed`` is initialised), and every micro-batch's l
 per-token loss of the whole update, whatever ``--update-freq`` and the number of ranks (DDP averages gradients
 over ranks, hence the ``world_size`` factor).
 
+Several processes (``attnmt/training/distributed.py``): the model given as ``ddp_model`` (DistributedDataParallel)
+runs the forward and backward passes; ``model`` is the plain module that evaluation and checkpoints use. DDP
+all-reduces gradients during the backward pass of the LAST micro-batch only (``no_sync`` on the others). Just
+before that backward the ranks agree that none of them failed in this update (:func:`distributed.check_peers`):
+an out-of-memory batch on one rank then stops all ranks with a message naming the batch's shape, instead of
+leaving the others blocked in the gradient all-reduce.
+
 Precision: ``bf16`` runs forward and loss under ``torch.autocast(dtype=bfloat16)`` (AMX on CPU, tensor cores on
 CUDA) with fp32 master weights and no loss scaling; ``fp16`` (CUDA only) adds dynamic loss scaling with
 ``torch.amp.GradScaler``: an update whose gradients overflow is skipped and does not count.
@@ -22,6 +29,7 @@ import torch
 
 from attnmt.data.pairs import move_to
 from attnmt.errors import UserError
+from attnmt.training import distributed
 
 
 def global_sum(values: list[float], device: torch.device) -> list[float]:
@@ -57,13 +65,14 @@ class Trainer:
 
     def __init__(self, model: torch.nn.Module, criterion, optimizer: torch.optim.Optimizer, lr_scheduler, *,
                  device: torch.device, precision: str = "fp32", clip_norm: float = 0.0, world_size: int = 1,
-                 cpu_attention: str = "auto"):
+                 cpu_attention: str = "auto", ddp_model: torch.nn.Module | None = None):
         if precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"unknown precision {precision!r}")
         if precision == "fp16" and device.type != "cuda":
             raise UserError("--fp16 needs a CUDA device (fp16 on CPU is slow and unsupported by autocast); "
                             "use --bf16 on CPU")
         self.model = model
+        self.train_model = ddp_model if ddp_model is not None else model  # what forward/backward run through
         self.criterion = criterion
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
@@ -101,10 +110,14 @@ class Trainer:
         self.num_updates = n
         self.lr = self.lr_scheduler.step_update(self.optimizer, n)
 
+    def prime_padding_batch(self, sample: dict) -> None:
+        """The batch that stands in (with weight 0) for an empty padding batch before this rank has seen one."""
+        self._dummy = move_to(sample, self.device)
+
     def _no_sync(self, last: bool):
         """Skip DDP's gradient all-reduce on all but the last micro-batch of an update."""
-        if not last and hasattr(self.model, "no_sync"):
-            return self.model.no_sync()
+        if not last and hasattr(self.train_model, "no_sync"):
+            return self.train_model.no_sync()
         return contextlib.nullcontext()
 
     # ----------------------------------------------------------------------------------------------- steps
@@ -116,7 +129,7 @@ class Trainer:
         weight 0 when there are several ranks (every rank must join the same all-reduces) and is skipped otherwise.
         Returns None when no rank had any target token.
         """
-        self.model.train()
+        self.train_model.train()
         local_tokens = sum(s["ntokens"] for s in samples if s is not None)
         (total_tokens,) = global_sum([local_tokens], self.device)
         if total_tokens == 0:
@@ -125,26 +138,40 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         nll_sum = torch.zeros((), device=self.device)
         nsentences = 0
-        for i, sample in enumerate(samples):
-            weight = grad_scale
-            if sample is None:
-                if self.world_size == 1 or self._dummy is None:
-                    continue
-                sample, weight = self._dummy, 0.0
-            else:
-                sample = move_to(sample, self.device)
-                self._dummy = sample
-                nsentences += sample["nsentences"]
-            with self._no_sync(last=i == len(samples) - 1), self.attention_kernel(sample):
-                with self.autocast():
-                    loss, log = self.criterion(self.model, sample)
-                scaled = loss * weight
-                if self.scaler is not None:
-                    scaled = self.scaler.scale(scaled)
-                scaled.backward()
-            if weight:
-                loss_sum += log["loss"]
-                nll_sum += log["nll_loss"]
+        agreed = self.world_size == 1  # multi-process: ranks agree nobody failed before the gradient all-reduce
+        sample = None
+        try:
+            for i, sample in enumerate(samples):
+                weight = grad_scale
+                if sample is None:
+                    if self.world_size == 1 or self._dummy is None:
+                        continue
+                    sample, weight = self._dummy, 0.0
+                else:
+                    sample = move_to(sample, self.device)
+                    self._dummy = sample
+                    nsentences += sample["nsentences"]
+                last = i == len(samples) - 1
+                with self._no_sync(last=last), self.attention_kernel(sample):
+                    with self.autocast():
+                        loss, log = self.criterion(self.train_model, sample)
+                    scaled = loss * weight
+                    if self.scaler is not None:
+                        scaled = self.scaler.scale(scaled)
+                    if last and not agreed:
+                        agreed = True
+                        distributed.check_peers(None, self.device)
+                    scaled.backward()
+                if weight:
+                    loss_sum += log["loss"]
+                    nll_sum += log["nll_loss"]
+        except Exception as e:
+            if not distributed.is_out_of_memory(e):
+                raise
+            message = distributed.oom_message(sample, self.num_updates + 1, self.device)
+            if not agreed:  # the others are (or will be) waiting in check_peers: tell them, then stop together
+                distributed.check_peers(message, self.device)
+            raise UserError(message) from None
 
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
