@@ -3,17 +3,26 @@
 The options are the fields of the loop's ``TrainConfig`` and of the configs of every registered task, model,
 criterion, optimizer and LR scheduler (plugins included). Each typed option goes to the component(s) that own it;
 an option that no CHOSEN component owns is an error naming the component it belongs to.
+
+Several processes: under ``torchrun`` each worker reads RANK, WORLD_SIZE and LOCAL_RANK from the environment;
+``--nproc-per-node N`` re-runs this same command line as N workers through ``torch.distributed.run`` (see
+``attnmt/training/distributed.py``). A run stopped by SIGTERM/SIGUSR1 exits with status 75 after saving.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import sys
+from pathlib import Path
 
 import click
 
 from attnmt import registry
 from attnmt.config import add_options, given_options, make_config, option_name, split_given
 from attnmt.errors import UserError
+from attnmt.training import distributed
+from attnmt.training.distributed import DistributedConfig
 from attnmt.training.loop import Setup, TrainConfig, train
 
 KIND_OPTION = {"task": "--task", "criterion": "--criterion", "optimizer": "--optimizer",
@@ -40,11 +49,11 @@ def _owner(option: str) -> str:
 
 def _callback(data_bin: str, arch: str, **params) -> None:
     names = {k: params.pop(k) or DEFAULTS[k] for k in KIND_OPTION}
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise UserError("attnmt train runs as a single process; launch it without torchrun (WORLD_SIZE > 1)")
+    env = distributed.Env.from_environ()
     model_name = registry.get("arch", arch).model
     entries = {k: registry.get(k, v) for k, v in names.items()}
-    classes = {"train": TrainConfig, "model": registry.get("model", model_name).config,
+    classes = {"train": TrainConfig, "distributed": DistributedConfig,
+               "model": registry.get("model", model_name).config,
                **{k: e.config for k, e in entries.items()}}
     per, leftovers = split_given(given_options(params), classes)
     if leftovers:
@@ -57,6 +66,17 @@ def _callback(data_bin: str, arch: str, **params) -> None:
         return make_config(cls, per[key], what=what) if cls is not None else None
 
     train_cfg = cfg("train", "attnmt train")
+    dist_cfg = cfg("distributed", "attnmt train")
+    if dist_cfg.nproc_per_node and "WORLD_SIZE" in os.environ:
+        raise UserError(f"--nproc-per-node starts the training processes itself, but this process is already one "
+                        f"of {env.world_size} started by a launcher (WORLD_SIZE is set); remove --nproc-per-node, or "
+                        f"run attnmt train without torchrun")
+    if dist_cfg.nproc_per_node > 1:
+        code = distributed.launch(dist_cfg.nproc_per_node, _worker_argv(), Path(train_cfg.save_dir))
+        if code:
+            sys.exit(code)
+        return
+    train_cfg = dataclasses.replace(train_cfg, world_size=env.world_size, rank=env.rank, local_rank=env.local_rank)
     setup = Setup(
         task=names["task"], task_cfg=cfg("task", f"--task {names['task']}"),
         arch=arch, model_overrides=per["model"],
@@ -66,9 +86,41 @@ def _callback(data_bin: str, arch: str, **params) -> None:
         lr_scheduler_cfg=cfg("lr_scheduler", f"--lr-scheduler {names['lr_scheduler']}"),
     )
     try:
-        train(data_bin, setup, train_cfg)
+        summary = train(data_bin, setup, train_cfg, dist_cfg=dist_cfg)
     except FloatingPointError as e:
         raise UserError(str(e)) from None
+    if summary["stop_reason"] == "preempted":
+        sys.exit(distributed.PREEMPTED_EXIT)
+
+
+ARGV_KEY = "attnmt.train.argv"
+
+
+class TrainCommand(click.Command):
+    """A click command that keeps its raw arguments: ``--nproc-per-node`` re-runs them in every worker."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta[ARGV_KEY] = list(args)
+        return super().parse_args(ctx, args)
+
+
+def _worker_argv() -> list[str]:
+    """``[--user-dir D ...] train ARGS`` without ``--nproc-per-node``: what each worker runs."""
+    ctx = click.get_current_context()
+    args = ctx.meta[ARGV_KEY]
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == "--nproc-per-node":
+            skip = True
+        elif not a.startswith("--nproc-per-node="):
+            out.append(a)
+    user_dirs = []
+    if ctx.parent is not None:
+        for d in ctx.parent.params.get("user_dir") or ():
+            user_dirs += ["--user-dir", str(d)]
+    return [*user_dirs, "train", *out]
 
 
 def build_command() -> click.Command:
@@ -81,10 +133,10 @@ def build_command() -> click.Command:
         params.append(click.Option([opt], default=None, metavar="NAME",
                                    help=f"{kind.replace('_', ' ')}: {', '.join(registry.choices(kind))} "
                                         f"[default: {DEFAULTS[kind]}]"))
-    cmd = click.Command("train", callback=_callback, params=params,
+    cmd = TrainCommand("train", callback=_callback, params=params,
                         help="Train a model on DATA_BIN (written by attnmt preprocess); running the same command "
                              "again resumes from SAVE_DIR/checkpoint_last.pt.")
-    classes = [TrainConfig, *_configs("task"), *_configs("model"),
+    classes = [TrainConfig, DistributedConfig, *_configs("task"), *_configs("model"),
                *_configs("criterion"), *_configs("optimizer"), *_configs("lr_scheduler")]
     return add_options(cmd, classes)
 

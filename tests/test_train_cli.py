@@ -24,7 +24,8 @@ def test_short_run_loss_falls_and_jsonl_has_the_fields(tmp_path, capsys):
           "--warmup-updates", "20", "--log-interval", "10", "--progress", "lines", "--threads", "1"])
     err = capsys.readouterr().err
     # start-up report: model size, effective batch, data sizes, skipped overlong pairs with examples
-    assert "parameters" in err and "effective batch: 256 tokens x 1 process(es) x update-freq 1" in err
+    assert "parameters" in err
+    assert "effective batch = max-tokens x world size x update-freq = 256 x 1 x 1 = 256 padded tokens" in err
     assert "train: 200 pairs" in err and "valid: 24 pairs" in err
     assert "3 sentence(s) skipped (longer than the model's max positions (source 32, target 32)" in err
     assert "line index(es) 200, 201, 202" in err

@@ -7,6 +7,9 @@ Hypotheses and references are both detokenized through the data pipeline of DATA
 text, then the Moses detokenizer when preprocessing tokenized): the references are the binarized validation
 targets decoded back to text, i.e. the raw references up to SentencePiece normalisation and unknown pieces.
 The score is sacreBLEU's default (13a tokenization, cased), as ``attnmt score`` reports.
+
+With several training processes every rank decodes every W-th sentence and the hypotheses are gathered, so
+that each rank scores the whole set (the same BLEU everywhere) for 1/W of the decoding time.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from __future__ import annotations
 import time
 
 import torch
+
+from attnmt.training import distributed
 
 
 class BleuValidator:
@@ -48,11 +53,16 @@ class BleuValidator:
         try:
             gen = Generator(model, self.symbols, self.search_cfg, device=self.device, bf16=self.bf16,
                             max_source_positions=model.max_positions()[0], truncate_source=True)
-            hyps = [""] * len(self.sources)
-            for i, h in gen.generate(self.sources, max_tokens=self.max_tokens, batch_size=self.batch_size,
-                                     where="validation"):
-                hyps[i] = self.tgt_pipeline.decode(self.task.tgt_dict.string(h[0].tokens)) if h else ""
+            mine = list(range(distributed.rank(), len(self.sources), distributed.world_size()))
+            local = {}
+            for i, h in gen.generate([self.sources[j] for j in mine], max_tokens=self.max_tokens,
+                                     batch_size=self.batch_size, where="validation"):
+                local[mine[i]] = self.tgt_pipeline.decode(self.task.tgt_dict.string(h[0].tokens)) if h else ""
         finally:
             model.train(was_training)
+        hyps = [""] * len(self.sources)
+        for part in distributed.all_gather(local):
+            for i, text in part.items():
+                hyps[i] = text
         result = corpus_bleu(hyps, self.refs)
         return {"bleu": float(result.score), "bleu_sentences": len(hyps), "bleu_seconds": time.perf_counter() - t0}

@@ -27,6 +27,7 @@ import contextlib
 import datetime
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -218,13 +219,19 @@ def shutdown() -> None:
 def wrap(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """DistributedDataParallel around ``model`` (whose parameters it broadcasts from rank 0).
 
-    ``broadcast_buffers=False``: the only buffers are the sinusoid tables, identical on every rank by
-    construction, and a broadcast would be one more collective in every forward.
+    No buffer broadcast in forward: the only buffers are the sinusoid tables, identical on every rank by
+    construction (and regrown in place for long sentences), and a broadcast would be one more collective in
+    every forward.
     """
+    import inspect
+
     from torch.nn.parallel import DistributedDataParallel
 
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    no_buffer_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in params  # torch >= 2.12 name
+                      else {"broadcast_buffers": False})
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                   broadcast_buffers=False)
+                                   **no_buffer_sync)
 
 
 # ---------------------------------------------------------------------------------------------------- agreement
@@ -361,9 +368,11 @@ def _is_collective_error(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and any(h.lower() in text for h in _COLLECTIVE_HINTS)
 
 
-def _first_line(e: BaseException) -> str:
+def _first_line(e: BaseException, limit: int = 200) -> str:
+    """The first line of an error without gloo's/NCCL's ``[source/file.cc:123]`` prefix, at most ``limit`` chars."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    return lines[0] if lines else type(e).__name__
+    line = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", lines[0]) if lines else type(e).__name__
+    return line if len(line) <= limit else line[: limit - 3].rstrip() + "..."
 
 
 @contextlib.contextmanager
@@ -379,9 +388,9 @@ def collective_errors(peers: Peers | None, timeout_s: float, save_dir: Path) -> 
         how = (f"a collective operation timed out after --ddp-timeout {timeout_s:g} s" if "timed out" in text
                or "timeout" in text else "a collective operation failed")
         raise UserError(
-            f"rank {me}: {how} ({_first_line(e)[:160]}): {peers.describe_missing(me)}. Look for that rank's "
-            f"error above, fix its cause and run the same command again: training resumes from "
-            f"{save_dir / 'checkpoint_last.pt'} when one was saved") from None
+            f"rank {me}: {how} ({_first_line(e)}): {peers.describe_missing(me)}. Find why in that rank's error or "
+            f"the launcher's report, fix it and run the same command again (it resumes from "
+            f"{save_dir / 'checkpoint_last.pt'} if one was saved)") from None
 
 
 # ---------------------------------------------------------------------------------------------------- launcher

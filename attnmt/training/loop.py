@@ -11,8 +11,15 @@
   ``--save-interval-minutes``, when stopping, and whenever validation found a new best).
 
 Resuming: when ``SAVE_DIR/checkpoint_last.pt`` exists the run continues from it: weights, optimizer, LR schedule,
-loss scaler, update count, the data iterator's position (epoch + batches consumed) and every RNG state, so that N
-updates + restart + N updates give bitwise the same weights as 2N updates (fp32 on CPU).
+loss scaler, update count, the data iterator's position (epoch + batches consumed) and every RNG state (each
+rank's own), so that N updates + restart + N updates give bitwise the same weights as 2N updates (fp32 on CPU).
+
+Several processes (torchrun, see ``distributed.py``): every rank runs this loop on its shard of the batches, in
+lockstep. Decisions that depend on a clock or a signal (``--max-time-minutes``, ``--save-interval-minutes``,
+SIGTERM/SIGUSR1) are agreed on by all ranks after each update, so that every rank validates, saves and stops at
+the same update. Only rank 0 writes checkpoints, ``train.jsonl`` and progress; saving gathers every rank's RNG
+state to it first. A SIGTERM or SIGUSR1 stops training after the current update with ``checkpoint_last.pt`` saved
+and the stop reason ``preempted``.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from attnmt.errors import UserError
 from attnmt.optim import build_lr_scheduler, build_optimizer
 from attnmt.registry import get
 from attnmt.training import checkpoints as ckpts
+from attnmt.training import distributed
 from attnmt.training.trainer import Trainer, global_sum
 
 
@@ -110,6 +118,7 @@ class TrainConfig:
         "help": "progress display on stderr: auto (bar on a terminal, lines otherwise), bar, lines, none"})
     world_size: int = field(default=1, metadata={"help": "number of training processes", "cli": False})
     rank: int = field(default=0, metadata={"help": "this process's rank", "cli": False})
+    local_rank: int = field(default=0, metadata={"help": "this process's rank on its machine (its GPU)", "cli": False})
 
     def __post_init__(self):
         if self.max_tokens is None and self.batch_size is None:
@@ -255,9 +264,7 @@ class Meter:
 
 
 def _device(cfg: TrainConfig) -> torch.device:
-    if not cfg.cpu and torch.cuda.is_available():
-        return torch.device("cuda", cfg.rank % torch.cuda.device_count())
-    return torch.device("cpu")
+    return distributed.choose_device(distributed.Env(cfg.rank, cfg.world_size, cfg.local_rank), cfg.cpu)
 
 
 def _precision(cfg: TrainConfig, device: torch.device) -> str:
@@ -302,6 +309,10 @@ def make_train_iterator(task, cfg: TrainConfig, max_positions: tuple[int, int]) 
     if not batches:
         raise UserError(f"{task.split_prefix(task.cfg.train_subset, task.src_lang)}: no training pair fits "
                         f"(all {len(data)} skipped: {skipped.reason}); raise --max-tokens or the model's max positions")
+    if len(batches) < cfg.world_size:
+        raise UserError(f"{task.split_prefix(task.cfg.train_subset, task.src_lang)}: {len(batches)} batch(es) of "
+                        f"--max-tokens {cfg.max_tokens} for {cfg.world_size} processes; every process needs at least "
+                        f"one: lower --max-tokens or start fewer processes")
     return EpochBatchIterator(batches, data.collate, seed=cfg.seed, shuffle=True, world_size=cfg.world_size,
                               rank=cfg.rank), skipped
 
@@ -365,8 +376,9 @@ class Best:
 
 
 def build_state(trainer: Trainer, task, setup: Setup, cfg: TrainConfig, model_name: str, model_cfg, data_state: dict,
-                itr: EpochBatchIterator, best: Best, train_time: float) -> dict:
-    """The checkpoint dict (see attnmt.training.checkpoints)."""
+                itr: EpochBatchIterator, best: Best, train_time: float, rng_by_rank: list[dict] | None = None) -> dict:
+    """The checkpoint dict (see attnmt.training.checkpoints); ``rng_by_rank``: every rank's RNG state, rank order."""
+    rng_by_rank = rng_by_rank or [ckpts.rng_state()]
     model_state = {k: v.detach().float().cpu() if v.is_floating_point() else v.detach().cpu()
                    for k, v in trainer.model.state_dict().items()}
     return {
@@ -378,7 +390,8 @@ def build_state(trainer: Trainer, task, setup: Setup, cfg: TrainConfig, model_na
             **trainer.state_dict(),
             "epoch": int(itr.epoch),
             "iterator": itr.state_dict(),
-            "rng": ckpts.rng_state(),
+            "rng": rng_by_rank[0],
+            "rng_other_ranks": rng_by_rank[1:],
             "best": best.state(),
             "train_time": float(train_time),
             "task": setup.task, "task_config": to_dict(setup.task_cfg),
@@ -424,10 +437,22 @@ def _resume(path: Path, cfg: TrainConfig, setup: Setup, trainer: Trainer, itr: E
     if b.get("metric") == best.metric and bool(b.get("maximize")) == best.maximize:
         best.value, best.num_updates = b.get("value"), int(b.get("num_updates", 0))
         best.bad_validations = int(b.get("bad_validations", 0))
-    ckpts.set_rng_state(tstate["rng"])
+    saved_world = int(tstate.get("iterator", {}).get("world_size", 1))
+    if saved_world != cfg.world_size:
+        log.info(f"note: {path} was written by {saved_world} process(es), now {cfg.world_size}: a rank without a "
+                 f"saved random state continues from rank 0's")
+    ckpts.set_rng_state(_rank_rng(tstate, cfg.rank))
     log.info(f"resumed from {path}: update {trainer.num_updates}, epoch {itr.epoch}, "
              f"batch {itr.offset}/{len(itr)} of the epoch")
     return float(tstate.get("train_time", 0.0))
+
+
+def _rank_rng(tstate: dict, rank: int) -> dict:
+    """This rank's RNG state from a checkpoint: its own when the checkpoint has one, else rank 0's."""
+    others = tstate.get("rng_other_ranks") or []
+    if 1 <= rank <= len(others):
+        return others[rank - 1]
+    return tstate["rng"]
 
 
 def _finetune(path: Path, trainer: Trainer, data_state: dict, log: RunLog) -> None:
@@ -448,13 +473,34 @@ def _finetune(path: Path, trainer: Trainer, data_state: dict, log: RunLog) -> No
 
 
 def train(data_bin: str | os.PathLike, setup: Setup, cfg: TrainConfig,
-          extra_validators: list[Callable[[torch.nn.Module], dict]] | None = None) -> dict:
-    """Train (or resume) and return the final summary (also the last line of train.jsonl)."""
+          extra_validators: list[Callable[[torch.nn.Module], dict]] | None = None,
+          dist_cfg: distributed.DistributedConfig | None = None) -> dict:
+    """Train (or resume) and return the final summary (also the last line of train.jsonl).
+
+    With ``cfg.world_size > 1`` this is one rank of a torchrun job: it joins the process group (unless the caller
+    already did), trains its shard with DistributedDataParallel and leaves the group at the end.
+    """
+    dist_cfg = dist_cfg or distributed.DistributedConfig()
     t_start = time.perf_counter()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = _device(cfg)
     precision = _precision(cfg, device)
+    peers = None
+    owns_group = False
+    if cfg.world_size > 1:
+        owns_group = not distributed.is_initialized()
+        peers = distributed.init(distributed.Env(cfg.rank, cfg.world_size, cfg.local_rank), device, dist_cfg)
+    try:
+        with distributed.collective_errors(peers, dist_cfg.ddp_timeout, Path(cfg.save_dir)):
+            return _train(data_bin, setup, cfg, extra_validators, dist_cfg, device, precision, t_start)
+    finally:
+        if owns_group:
+            distributed.shutdown()
+
+
+def _train(data_bin, setup: Setup, cfg: TrainConfig, extra_validators, dist_cfg: distributed.DistributedConfig,
+           device: torch.device, precision: str, t_start: float) -> dict:
     _seed_everything(cfg.seed)
 
     task_cls = get("task", setup.task).obj
@@ -465,10 +511,14 @@ def train(data_bin: str | os.PathLike, setup: Setup, cfg: TrainConfig,
     lr_scheduler = build_lr_scheduler(setup.lr_scheduler, setup.lr_scheduler_cfg)
     optimizer = build_optimizer(setup.optimizer, setup.optimizer_cfg, model.parameters(),
                                 lr=getattr(setup.lr_scheduler_cfg, "lr", 1e-3))
+    ddp_model = distributed.wrap(model, device) if cfg.world_size > 1 else None
     trainer = Trainer(model, criterion, optimizer, lr_scheduler, device=device, precision=precision,
-                      clip_norm=cfg.clip_norm, world_size=cfg.world_size, cpu_attention=cfg.cpu_attention)
+                      clip_norm=cfg.clip_norm, world_size=cfg.world_size, cpu_attention=cfg.cpu_attention,
+                      ddp_model=ddp_model)
     max_positions = model.max_positions()
     itr, skipped = make_train_iterator(task, cfg, max_positions)
+    if cfg.world_size > 1:  # a rank whose update holds only padding batches still joins the gradient all-reduce
+        trainer.prime_padding_batch(itr.collate(itr.batches[0]))
     valid_sets = {} if cfg.disable_validation else {
         s: make_valid_batches(task, cfg, s, max_positions) for s in task.valid_subsets()}
     if extra_validators is None:
@@ -489,6 +539,10 @@ def train(data_bin: str | os.PathLike, setup: Setup, cfg: TrainConfig,
     try:
         last = save_dir / ckpts.LAST
         train_time = 0.0
+        seen = distributed.all_gather(last.exists())
+        if len(set(seen)) > 1:
+            raise UserError(f"{last} exists for rank(s) {[r for r, x in enumerate(seen) if x]} only; put --save-dir "
+                            f"on a file system that every node shares, so that every rank resumes from it")
         if last.exists():
             if cfg.finetune_from:
                 log.info(f"{last} exists: resuming from it, --finetune-from is ignored")
@@ -497,8 +551,13 @@ def train(data_bin: str | os.PathLike, setup: Setup, cfg: TrainConfig,
             _finetune(Path(cfg.finetune_from), trainer, data_state, log)
 
         _report_start(log, task, setup, cfg, model, itr, skipped, valid_sets, device, precision, notes)
-        summary = _run(trainer, task, setup, cfg, model_name, model_cfg, data_state, itr, valid_sets,
-                       extra_validators, best, log, save_dir, train_time, is_master)
+        if cfg.world_size > 1:
+            log.info(f"processes: {cfg.world_size} ({distributed.choose_backend(device, dist_cfg.distributed_backend)}"
+                     f", one per {'GPU' if device.type == 'cuda' else 'CPU share'}), each on its own shard of the "
+                     f"batches; collectives time out after --ddp-timeout {dist_cfg.ddp_timeout:g} s")
+        with distributed.Preemption() as preemption:
+            summary = _run(trainer, task, setup, cfg, model_name, model_cfg, data_state, itr, valid_sets,
+                           extra_validators, best, log, save_dir, train_time, is_master, preemption)
         summary["skipped_train"] = len(skipped)
         summary["wall_s"] = time.perf_counter() - t_start
         log.record(summary)
@@ -526,10 +585,11 @@ def _report_start(log: RunLog, task, setup: Setup, cfg: TrainConfig, model, itr,
     for s, (_, _, sk) in valid_sets.items():
         if len(sk):
             log.info(f"data: {s}: {sk.describe()}")
-    mt = f"{cfg.max_tokens} tokens" if cfg.max_tokens else f"{cfg.batch_size} sentences"
-    eff = (cfg.max_tokens or cfg.batch_size) * cfg.world_size * cfg.update_freq
-    log.info(f"effective batch: {mt} x {cfg.world_size} process(es) x update-freq {cfg.update_freq} = "
-             f"{eff:,} {'tokens' if cfg.max_tokens else 'sentences'} per update (at most)")
+    what, per = ("max-tokens", cfg.max_tokens) if cfg.max_tokens else ("batch-size", cfg.batch_size)
+    eff = per * cfg.world_size * cfg.update_freq
+    log.info(f"effective batch = {what} x world size x update-freq = {per} x {cfg.world_size} x {cfg.update_freq} = "
+             f"{eff:,} {'padded tokens' if cfg.max_tokens else 'sentences'} per update at most (the real count is "
+             f"logged as ntokens)")
     log.info(f"optimizer: {setup.optimizer} {to_dict(setup.optimizer_cfg)}; lr scheduler: {setup.lr_scheduler} "
              f"{to_dict(setup.lr_scheduler_cfg)}; criterion: {setup.criterion} {to_dict(setup.criterion_cfg)}")
 
@@ -544,7 +604,7 @@ def _report_end(log: RunLog, s: dict) -> None:
 
 def _run(trainer: Trainer, task, setup: Setup, cfg: TrainConfig, model_name: str, model_cfg, data_state: dict,
          itr: EpochBatchIterator, valid_sets: dict, extra_validators, best: Best, log: RunLog, save_dir: Path,
-         train_time0: float, is_master: bool) -> dict:
+         train_time0: float, is_master: bool, preemption: distributed.Preemption | None = None) -> dict:
     meter = Meter(trainer.device)
     run_start = time.perf_counter()
     last_save = run_start
@@ -555,19 +615,26 @@ def _run(trainer: Trainer, task, setup: Setup, cfg: TrainConfig, model_name: str
         return train_time0 + time.perf_counter() - run_start
 
     def save(names: list[str]) -> None:
-        if not is_master or not names:
+        """Every rank calls this with the same names (its RNG state goes to rank 0); rank 0 writes."""
+        if not names:
             return
-        state = build_state(trainer, task, setup, cfg, model_name, model_cfg, data_state, itr, best, train_time())
+        rng_by_rank = distributed.gather_to_master(ckpts.rng_state())
+        if not is_master:
+            return
+        state = build_state(trainer, task, setup, cfg, model_name, model_cfg, data_state, itr, best, train_time(),
+                            rng_by_rank)
         ckpts.save(state, save_dir, names)
         ckpts.prune(save_dir, cfg.keep_interval_updates, cfg.keep_last_epochs)
 
-    def stop_reason_now(end_of_epoch: bool) -> str | None:
+    def stop_reason_now(end_of_epoch: bool, time_up: bool, preempted: bool) -> str | None:
         if cfg.max_update and trainer.num_updates >= cfg.max_update:
             return "max_update"
-        if cfg.max_time_minutes and train_time() >= cfg.max_time_minutes * 60:
+        if time_up:
             return "max_time"
         if end_of_epoch and cfg.max_epoch and itr.epoch >= cfg.max_epoch:
             return "max_epoch"
+        if preempted:
+            return "preempted"
         return None
 
     stop = None
@@ -595,9 +662,15 @@ def _run(trainer: Trainer, task, setup: Setup, cfg: TrainConfig, model_name: str
             if out is not None and not out["overflow"] and n % cfg.log_interval == 0:
                 _log_train(log, meter, trainer, itr, cfg, n, start_updates, run_start, train_time())
             log.advance(n, itr.epoch)
-            stop = stop_reason_now(end_of_epoch)
+            # clock- and signal-driven decisions, agreed on by all ranks (identity in a single process)
+            preempted, time_up, minutes_due = distributed.any_rank([
+                preemption is not None and preemption.requested,
+                bool(cfg.max_time_minutes) and train_time() >= cfg.max_time_minutes * 60,
+                bool(cfg.save_interval_minutes) and time.perf_counter() - last_save >= cfg.save_interval_minutes * 60,
+            ], trainer.device)
+            stop = stop_reason_now(end_of_epoch, time_up, preempted)
             new_epoch_point = end_of_epoch
-            do_valid = bool(valid_sets) and (
+            do_valid = bool(valid_sets) and stop != "preempted" and (
                 stop is not None
                 or (new_epoch_point and itr.epoch % cfg.validate_interval == 0)
                 or (cfg.validate_interval_updates and n % cfg.validate_interval_updates == 0 and not end_of_epoch
@@ -606,8 +679,7 @@ def _run(trainer: Trainer, task, setup: Setup, cfg: TrainConfig, model_name: str
             if new_epoch_point and itr.epoch % cfg.save_interval == 0 and not cfg.no_epoch_checkpoints:
                 names.append(ckpts.epoch_name(itr.epoch))
             interval_hit = cfg.save_interval_updates and n % cfg.save_interval_updates == 0 and out is not None
-            minutes_hit = cfg.save_interval_minutes and time.perf_counter() - last_save >= cfg.save_interval_minutes * 60
-            if (interval_hit or minutes_hit) and not end_of_epoch:
+            if (interval_hit or minutes_due) and not end_of_epoch:
                 names.append(ckpts.interval_name(itr.epoch, n))
             if names or stop is not None or (new_epoch_point and itr.epoch % cfg.save_interval == 0):
                 names.append(ckpts.LAST)
@@ -634,6 +706,11 @@ def _run(trainer: Trainer, task, setup: Setup, cfg: TrainConfig, model_name: str
             if names:
                 save(names)
                 last_save = time.perf_counter()
+            if stop == "preempted":
+                why = preemption.signal_name if preemption is not None and preemption.signal_name else \
+                    "a signal to another rank"
+                log.info(f"preempted by {why}: stopped after update {n} and saved "
+                         f"{save_dir / ckpts.LAST}; run the same command again to resume")
             if stop is not None:
                 break
     v = next(iter(last_valid.values())) if last_valid else {}
