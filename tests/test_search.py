@@ -45,20 +45,24 @@ class TableModel:
         key = ((src_tokens * (pos + 7)) * real).sum(1) % self.rows
         return {"key": key}
 
-    def new_cache(self):
-        return {"h": None}
+    def new_cache(self, beam=1):
+        return {"h": None, "beam": beam}
 
     def decode(self, prev_output_tokens, enc, cache=None):
         self.calls += 1
         assert cache is not None and prev_output_tokens.size(1) == 1
-        h = enc["key"] if cache["h"] is None else cache["h"]
+        assert prev_output_tokens.size(0) == enc["key"].size(0) * cache["beam"]  # beam rows per sentence
+        h = enc["key"].repeat_interleave(cache["beam"]) if cache["h"] is None else cache["h"]
         h = (h * 31 + prev_output_tokens[:, 0] + 1) % self.rows
         cache["h"] = h
         return self.table[h][:, None, :]
 
     @staticmethod
-    def reorder(enc, cache, new_order):
-        return {"key": enc["key"][new_order]}, {"h": None if cache["h"] is None else cache["h"][new_order]}
+    def reorder(enc, cache, new_order, sentences=None):
+        if sentences is None and cache["beam"] == 1:
+            sentences = new_order
+        key = enc["key"] if sentences is None else enc["key"][sentences]
+        return {"key": key}, {"h": None if cache["h"] is None else cache["h"][new_order], "beam": cache["beam"]}
 
     # ---- the reference
     def sequence_lprobs(self, src: list[int], tokens: list[int]) -> list[float]:

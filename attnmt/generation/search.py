@@ -113,15 +113,21 @@ class Hypothesis:
 
 
 class IncrementalModel(Protocol):
-    """What the search needs from a model (the Transformer provides it)."""
+    """What the search needs from a model (the Transformer provides it).
+
+    ``new_cache(beam)``: ``decode`` then takes ``beam`` consecutive rows (hypotheses) per sentence of ``enc``.
+    ``reorder(enc, cache, new_order, sentences)``: row ``r`` of the next step continues current row
+    ``new_order[r]``; ``sentences`` are the current sentences that stay (None: all; with beam 1, where rows are
+    sentences, ``new_order`` itself, which may also repeat rows).
+    """
 
     def encode(self, src_tokens: Tensor, src_lengths: Tensor) -> Any: ...
 
     def decode(self, prev_output_tokens: Tensor, enc: Any, cache: Any = None) -> Tensor: ...
 
-    def new_cache(self) -> Any: ...
+    def new_cache(self, beam: int = 1) -> Any: ...
 
-    def reorder(self, enc: Any, cache: Any, new_order: Tensor) -> tuple[Any, Any]: ...
+    def reorder(self, enc: Any, cache: Any, new_order: Tensor, sentences: Tensor | None = None) -> tuple[Any, Any]: ...
 
 
 # ------------------------------------------------------------------------------------------------ scoring
@@ -261,7 +267,7 @@ def _max_target_positions(model) -> int | None:
 
 
 def _start(model, src_tokens: Tensor, src_lengths: Tensor, copies: int):
-    """Encode once; give every sentence ``copies`` rows (beams or samples) of encoder output and cache."""
+    """Encode once; give every sentence ``copies`` independent rows (samples) of encoder output and cache."""
     enc = model.encode(src_tokens, src_lengths)
     cache = model.new_cache()
     if copies > 1:
@@ -297,7 +303,7 @@ def beam_search(model: IncrementalModel, src_tokens: Tensor, src_lengths: Tensor
     dev = src_tokens.device
     B, K = src_tokens.size(0), cfg.beam
     max_len = max_lengths(src_lengths.to(dev), cfg, _max_target_positions(model))
-    enc, cache = _start(model, src_tokens, src_lengths, K)
+    enc, cache = model.encode(src_tokens, src_lengths), model.new_cache(K)  # encoder side: once per sentence
     T = int(max_len.max()) + 2
     tokens = torch.full((B * K, T), sym.eos, dtype=torch.long, device=dev)  # column 0: the decoder's start EOS
     pos_scores = torch.zeros((B * K, T), dtype=torch.float32, device=dev)
@@ -328,6 +334,7 @@ def beam_search(model: IncrementalModel, src_tokens: Tensor, src_lengths: Tensor
         new_s, new_tok, new_lp = top_s.gather(1, sel), tok.gather(1, sel), top_lp.gather(1, sel)
         src_rows = (arange_a * K)[:, None] + beam_i.gather(1, sel)
         done = score_upper_bound(new_s[:, 0], step + 1, max_len, cfg.lenpen, bonus) <= kth_best
+        keep = None
         if bool(done.any()):
             keep = (~done).nonzero(as_tuple=True)[0]
             if keep.numel() == 0:
@@ -343,7 +350,7 @@ def beam_search(model: IncrementalModel, src_tokens: Tensor, src_lengths: Tensor
         pos_scores = pos_scores[order]
         pos_scores[:, step] = new_lp.reshape(-1)
         scores = new_s
-        enc, cache = model.reorder(enc, cache, order)
+        enc, cache = model.reorder(enc, cache, order, keep)
     return finished.hyps
 
 
@@ -392,7 +399,7 @@ def greedy_search(model: IncrementalModel, src_tokens: Tensor, src_lengths: Tens
             kth_best, max_len = kth_best[keep], max_len[keep]
             sent_ids = [sent_ids[i] for i in keep.tolist()]
             tokens, pos_scores = tokens[keep], pos_scores[keep]
-            enc, cache = model.reorder(enc, cache, keep)
+            enc, cache = model.reorder(enc, cache, keep, keep)
         tokens[:, step + 1] = new_tok
         pos_scores[:, step] = new_lp
         scores = new_s
@@ -484,7 +491,7 @@ def sample_search(model: IncrementalModel, src_tokens: Tensor, src_lengths: Tens
             row_sent = [row_sent[i] for i in keep.tolist()]
             unused = unused[keep]
             tokens, pos_scores = tokens[keep], pos_scores[keep]
-            enc, cache = model.reorder(enc, cache, keep)
+            enc, cache = model.reorder(enc, cache, keep, keep)
         tokens[:, step + 1] = choice
         pos_scores[:, step] = lp
         scores = new_s

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnmt.errors import UserError
+from attnmt.models.incremental import DecoderCache, LayerCache
 from attnmt.registry import register, register_arch
 
 # ------------------------------------------------------------------------------------------------ config
@@ -366,50 +367,6 @@ class EncoderOut:
     padding_mask: Tensor  # (B, S) bool, True at padding
 
 
-@dataclass
-class LayerCache:
-    """One decoder layer's state while decoding step by step.
-
-    Self-attention keys/values live in buffers of capacity >= the steps so far (doubling when full), so a step
-    writes one slot instead of copying the whole history. Encoder-decoder keys/values are computed at the first
-    step and reused.
-    """
-
-    k: Tensor | None = None  # (B, H, capacity, Dh); slots [0, length) are valid
-    v: Tensor | None = None
-    cross_k: Tensor | None = None  # (B, H, S, Dh)
-    cross_v: Tensor | None = None
-
-    def append(self, k: Tensor, v: Tensor, start: int) -> tuple[Tensor, Tensor]:
-        """Store this step's (B, H, T, Dh) keys/values at ``start``; return all keys/values so far."""
-        end = start + k.size(2)
-        if self.k is None or end > self.k.size(2) or self.k.dtype != k.dtype:
-            B, H, _, Dh = k.shape
-            capacity = max(16, 2 * end)
-            new_k, new_v = k.new_empty(B, H, capacity, Dh), v.new_empty(B, H, capacity, Dh)
-            if self.k is not None and start > 0:
-                new_k[:, :, :start] = self.k[:, :, :start]
-                new_v[:, :, :start] = self.v[:, :, :start]
-            self.k, self.v = new_k, new_v
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
-        return self.k[:, :, :end], self.v[:, :, :end]  # (B, H, end, Dh) each
-
-    def index_select(self, order: Tensor) -> LayerCache:
-        def sel(t: Tensor | None) -> Tensor | None:
-            return None if t is None else t.index_select(0, order)
-
-        return LayerCache(sel(self.k), sel(self.v), sel(self.cross_k), sel(self.cross_v))
-
-
-@dataclass
-class DecoderCache:
-    """Per-layer state for step-by-step decoding; ``length`` is the number of target tokens decoded so far."""
-
-    layers: list[LayerCache]
-    length: int = 0
-
-
 # ---------------------------------------------------------------------------------- 3.1 encoder, decoder
 
 
@@ -453,24 +410,16 @@ class DecoderLayer(nn.Module):
         q, k, v = self.self_attn.project_qkv(h)  # (B, H, T, Dh) each
         if cache is None:  # teacher forcing: the whole target at once under a causal mask
             return self.self_attn.attend(q, k, v, is_causal=True)
-        k, v = cache.append(k, v, start)  # (B, H, start+T, Dh): all positions so far
-        T = q.size(2)
-        mask = None
-        if T > 1:  # several new tokens at once: query i (position start+i) sees keys 0..start+i
-            key_pos = torch.arange(start + T, device=q.device)
-            mask = key_pos[None, :] <= (start + torch.arange(T, device=q.device))[:, None]  # (T, start+T)
-        return self.self_attn.attend(q, k, v, mask=mask)
+        # the cache stores k, v after the ``start`` positions so far and attends under its causal/beam mask
+        return self.self_attn.out_proj(cache.self_attention(q, k, v))
 
     def _cross_attention(self, h: Tensor, memory: Tensor, memory_mask: Tensor | None,
                          cache: LayerCache | None) -> Tensor:
         """3.2.3: queries from the decoder, keys and values from the encoder output (padding masked)."""
         q = self.cross_attn.project_q(h)  # (B, H, T, Dh)
-        if cache is not None and cache.cross_k is not None:
-            k, v = cache.cross_k, cache.cross_v
-        else:
-            k, v = self.cross_attn.project_kv(memory)  # (B, H, S, Dh) each
-            if cache is not None:
-                cache.cross_k, cache.cross_v = k, v
+        if cache is not None:  # keys/values projected once per sentence, on the first step
+            return self.cross_attn.out_proj(cache.cross_attention(q, self.cross_attn.project_kv, memory))
+        k, v = self.cross_attn.project_kv(memory)  # (B, H, S, Dh) each
         return self.cross_attn.attend(q, k, v, mask=memory_mask)
 
     def forward(self, x: Tensor, memory: Tensor, memory_mask: Tensor | None, cache: LayerCache | None = None,
@@ -533,7 +482,13 @@ class TransformerDecoder(nn.Module):
     def forward(self, prev_output_tokens: Tensor, enc: EncoderOut, cache: DecoderCache | None = None) -> Tensor:
         start = 0 if cache is None else cache.length
         x = self.embed(prev_output_tokens, start)  # (B, T, D)
-        memory_mask = key_padding_mask(enc.padding_mask)  # (B, 1, 1, S) or None
+        if cache is None:
+            memory_mask = key_padding_mask(enc.padding_mask)  # (B, 1, 1, S) or None
+        else:
+            if not cache.memory_mask_ready:  # first step, or the cache was compacted with the encoder output
+                cache.set_memory(enc.out.size(0), key_padding_mask(enc.padding_mask))
+            memory_mask = cache.memory_mask
+            cache.begin(prev_output_tokens.size(0), prev_output_tokens.size(1), prev_output_tokens.device)
         layer_caches = [None] * len(self.layers) if cache is None else cache.layers
         for layer, layer_cache in zip(self.layers, layer_caches):
             x = layer(x, enc.out, memory_mask, layer_cache, start)
@@ -651,16 +606,30 @@ class TransformerModel(nn.Module):
             self.train(was_training)
         return weights
 
-    def new_cache(self) -> DecoderCache:
-        return DecoderCache(layers=[LayerCache() for _ in self.decoder.layers])
+    def new_cache(self, beam: int = 1) -> DecoderCache:
+        """An empty cache for ``decode``; ``beam``: decoder rows per sentence of the encoder output.
+
+        With ``beam`` > 1, ``decode`` takes ``beam`` consecutive rows per sentence of ``enc`` (hypotheses of one
+        sentence), which share that sentence's encoder output and encoder-decoder keys/values.
+        """
+        return DecoderCache(len(self.decoder.layers), beam)
 
     @staticmethod
-    def reorder(enc: EncoderOut, cache: DecoderCache | None,
-                new_order: Tensor) -> tuple[EncoderOut, DecoderCache | None]:
-        """Select (and repeat or drop) batch rows: beam search reorders hypotheses and removes finished ones."""
-        enc = EncoderOut(enc.out.index_select(0, new_order), enc.padding_mask.index_select(0, new_order))
-        if cache is not None:
-            cache = DecoderCache([lc.index_select(new_order) for lc in cache.layers], cache.length)
+    def reorder(enc: EncoderOut, cache: DecoderCache | None, new_order: Tensor,
+                sentences: Tensor | None = None) -> tuple[EncoderOut, DecoderCache | None]:
+        """Follow the search: row ``r`` of the next ``decode`` continues current row ``new_order[r]``.
+
+        ``sentences``: the current sentences that stay, in order (None: all stay, or with a cache of beam 1 where
+        rows are sentences, ``new_order`` itself, which may repeat or shuffle them). With a larger beam, rows move
+        only within their sentence. The cache is updated in place (use the returned one; the old ``enc`` may no
+        longer match it): beam reordering touches no keys/values, and finished sentences are dropped lazily.
+        """
+        if cache is None:
+            keep = new_order if sentences is None else sentences
+        else:
+            keep = cache.reorder(new_order, sentences)
+        if keep is not None:
+            enc = EncoderOut(enc.out.index_select(0, keep), enc.padding_mask.index_select(0, keep))
         return enc, cache
 
     def max_positions(self) -> tuple[int, int]:

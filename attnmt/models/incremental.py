@@ -1,0 +1,215 @@
+"""Decoder state for step-by-step decoding, laid out so that beam search never copies it per step.
+
+Beam search keeps ``beam`` hypotheses (rows) per sentence and, after every step, reorders them: a row continues
+the prefix of some row of the same sentence. A cache that stores each row's keys/values contiguously has to copy
+its whole history to follow that reordering, and a cache of the encoder output per row copies the encoder output
+as well, at every step. This cache avoids both:
+
+* **Encoder side, per sentence.** The encoder output and the encoder-decoder keys/values are kept once per
+  sentence, (N, H, S, Dh). The ``beam`` rows of a sentence are consecutive; their queries are viewed as one
+  sentence with ``beam * T`` queries, (N, H, beam * T, Dh), which attend to the sentence's keys as before.
+* **Self-attention, written once, never moved.** Keys/values of position ``s`` computed by row ``j`` of a
+  sentence go to slot ``s * beam + j`` of that sentence's buffer, (N, H, capacity * beam, Dh), and stay there.
+  The cache remembers, per row and position, which of the sentence's rows holds the row's ancestor
+  (``ancestors``, (R, capacity)); a row's queries attend to all slots of its sentence under a mask that keeps
+  exactly its own history. Reordering the beams only reorders ``ancestors`` (a few integers per row); the
+  attention costs ``beam`` times more multiply-adds, which is small next to the projections.
+* **Finished sentences are dropped lazily.** When sentences leave the batch, the remaining ones are recorded in
+  ``live``: the decoder runs only on their rows, and their queries are scattered into the buffers' batch for
+  the two attentions (the dead sentences' attention outputs are computed and discarded). The buffers are
+  compacted (a copy of the filled slots of the sentences left) once at most half of the buffered sentences are
+  live, so a batch is compacted about log2(sentences) times instead of at every step.
+
+With ``beam`` 1 (greedy search, sampling, teacher-forced checks), rows are sentences and the mask is the usual
+causal one. Numerically, every row gets the same attention as with a plain per-row cache (masked slots weigh 0).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# compact the buffers once the live sentences are at most this fraction of the buffered ones
+COMPACT_FRACTION = 0.5
+INITIAL_CAPACITY = 16  # positions; the buffers double when full
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class LayerCache:
+    """One decoder layer's keys/values; the layout and masks are shared through its ``DecoderCache``."""
+
+    def __init__(self, owner: DecoderCache):
+        self.owner = owner
+        self.k: Tensor | None = None  # (N, H, capacity * beam, Dh): slot s * beam + j = position s of row j
+        self.v: Tensor | None = None
+        self.cross_k: Tensor | None = None  # (N, H, S, Dh), one per sentence
+        self.cross_v: Tensor | None = None
+
+    # -------------------------------------------------------------------------------- attention
+
+    def self_attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Store this call's keys/values (R, H, T, Dh) and attend; returns the heads concatenated, (R, T, H * Dh)."""
+        c = self.owner
+        R, H, T, Dh = q.shape
+        K = c.beam
+        A = R // K
+        end = c.length + T
+        self._ensure_capacity(end, H, Dh, q)
+        cap = self.k.size(2) // K
+        for buf, new in ((self.k, k), (self.v, v)):
+            dst = buf.view(c.buffered, H, cap, K, Dh)[:, :, c.length:end]  # (N, H, T, beam, Dh)
+            src = new.view(A, K, H, T, Dh).permute(0, 2, 3, 1, 4)  # (A, H, T, beam, Dh)
+            if c.live is None:
+                dst.copy_(src)
+            else:
+                dst.index_copy_(0, c.live, src)
+        return c.attend(q, self.k[:, :, :end * K], self.v[:, :, :end * K], c.self_mask)
+
+    def cross_attention(self, q: Tensor, project_kv, memory: Tensor) -> Tensor:
+        """Attend from the decoder queries (R, H, T, Dh) to the encoder output; returns (R, T, H * Dh).
+
+        ``project_kv(memory)`` gives the keys/values, computed on the first call for the buffered sentences.
+        """
+        if self.cross_k is None:
+            self.cross_k, self.cross_v = project_kv(memory)
+        return self.owner.attend(q, self.cross_k, self.cross_v, self.owner.memory_mask)
+
+    # -------------------------------------------------------------------------------- buffers
+
+    def _ensure_capacity(self, end: int, H: int, Dh: int, like: Tensor) -> None:
+        c = self.owner
+        K = c.beam
+        if self.k is not None and self.k.dtype == like.dtype and self.k.size(2) >= end * K:
+            return
+        cap = max(INITIAL_CAPACITY, 2 * end)
+        # zeros, not empty: dead sentences' rows attend to slots nobody wrote, and must not meet NaNs there
+        new_k = like.new_zeros(c.buffered, H, cap * K, Dh)
+        new_v = like.new_zeros(c.buffered, H, cap * K, Dh)
+        if self.k is not None and c.length:
+            new_k[:, :, :c.length * K] = self.k[:, :, :c.length * K]
+            new_v[:, :, :c.length * K] = self.v[:, :, :c.length * K]
+        self.k, self.v = new_k, new_v
+
+    def select(self, sentences: Tensor, filled: int) -> None:
+        """Keep the buffered sentences ``sentences`` (in that order, repeats allowed); copy only ``filled`` slots."""
+        if self.k is not None:
+            k, v = self.k, self.v
+            self.k = k.new_zeros((sentences.numel(),) + k.shape[1:])
+            self.v = v.new_zeros((sentences.numel(),) + v.shape[1:])
+            torch.index_select(k[:, :, :filled], 0, sentences, out=self.k[:, :, :filled])
+            torch.index_select(v[:, :, :filled], 0, sentences, out=self.v[:, :, :filled])
+        if self.cross_k is not None:
+            self.cross_k = self.cross_k.index_select(0, sentences)
+            self.cross_v = self.cross_v.index_select(0, sentences)
+
+
+class DecoderCache:
+    """Per-layer keys/values for step-by-step decoding; ``length``: target tokens decoded so far.
+
+    ``beam``: rows per sentence. The decoder is called with ``beam`` consecutive rows per live sentence of the
+    encoder output (see the module docstring); ``beam`` 1 means one row per sentence.
+    """
+
+    def __init__(self, num_layers: int, beam: int = 1):
+        if beam < 1:
+            raise ValueError(f"beam must be at least 1, got {beam}")
+        self.layers = [LayerCache(self) for _ in range(num_layers)]
+        self.length = 0
+        self.beam = beam
+        self.buffered = 0  # sentences in the buffers (and in the encoder output that goes with them)
+        self.live: Tensor | None = None  # (A,) buffered index of each live sentence; None: all, in order
+        self.ancestors: Tensor | None = None  # (R, capacity) int32: row j of the sentence holding position s
+        self.memory_mask: Tensor | None = None  # (N, 1, 1, S) True=attend, or None when nothing is padded
+        self.memory_mask_ready = False
+        self.self_mask: Tensor | None = None  # this call's self-attention mask over the buffers' slots
+
+    # -------------------------------------------------------------------------------- per call
+
+    def set_memory(self, buffered: int, memory_mask: Tensor | None) -> None:
+        """The encoder output the buffers go with: its sentence count and padding mask (first call, compaction)."""
+        self.buffered = buffered
+        self.memory_mask = memory_mask
+        self.memory_mask_ready = True
+
+    def begin(self, rows: int, new_tokens: int, device: torch.device) -> None:
+        """Prepare a decoder call of ``new_tokens`` per row: this call's self-attention mask."""
+        K, start, T = self.beam, self.length, new_tokens
+        end = start + T
+        live_sents = self.buffered if self.live is None else self.live.numel()
+        if rows != live_sents * K:
+            raise ValueError(f"the decoder got {rows} rows but the cache holds {live_sents} live sentences of "
+                             f"{K} rows each")
+        causal = None
+        if T > 1:  # several new tokens at once: query start+i sees positions 0..start+i
+            causal = torch.arange(end, device=device)[None, :] <= (start + torch.arange(T, device=device))[:, None]
+        if K == 1:
+            self.self_mask = causal  # (T, end) or None
+            return
+        if self.ancestors is None or self.ancestors.size(1) < end:
+            cap = max(INITIAL_CAPACITY, 2 * end)
+            grown = torch.zeros(rows, cap, dtype=torch.int32, device=device)
+            if self.ancestors is not None:
+                grown[:, :start] = self.ancestors[:, :start]
+            self.ancestors = grown
+        own = torch.arange(K, dtype=torch.int32, device=device)
+        self.ancestors[:, start:end] = own.repeat(rows // K)[:, None]
+        mask = self.ancestors[:, :end, None] == own  # (R, end, beam): slot (s, j) holds row r's position s
+        mask = mask.view(rows // K, K, 1, end * K)
+        if causal is not None:
+            mask = mask & causal.repeat_interleave(K, dim=1)[None, None]  # (A, beam, T, end * beam)
+        mask = mask.reshape(rows // K, 1, K * T, end * K)
+        if self.live is not None:
+            full = torch.ones((self.buffered,) + mask.shape[1:], dtype=torch.bool, device=device)
+            mask = full.index_copy_(0, self.live, mask)
+        self.self_mask = mask
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """Attention of the live rows' queries (R, H, T, Dh) to per-sentence keys/values (N, H, L, Dh).
+
+        Each sentence's ``beam`` rows are one sentence of ``beam * T`` queries; the live sentences are scattered
+        into the buffers' batch. Returns the heads concatenated, (R, T, H * Dh).
+        """
+        R, H, T, Dh = q.shape
+        K = self.beam
+        A = R // K
+        qs = q.view(A, K, H, T, Dh).transpose(1, 2).reshape(A, H, K * T, Dh)
+        if self.live is not None:
+            qs = q.new_zeros((self.buffered, H, K * T, Dh)).index_copy_(0, self.live, qs)
+        out = _attend(qs, k, v, mask)  # (N, H, beam * T, Dh)
+        if self.live is not None:
+            out = out.index_select(0, self.live)
+        return out.view(A, H, K, T, Dh).permute(0, 2, 3, 1, 4).reshape(R, T, H * Dh)
+
+    # -------------------------------------------------------------------------------- beam bookkeeping
+
+    def reorder(self, new_order: Tensor, sentences: Tensor | None = None) -> Tensor | None:
+        """Follow the search: row ``r`` of the next call continues current row ``new_order[r]``.
+
+        ``sentences``: the current live sentences that stay, in order (None: all stay). With ``beam`` 1 rows are
+        sentences, so ``sentences`` defaults to ``new_order`` and may repeat or permute them; with a larger beam
+        each row must continue a row of its own sentence. Returns the buffered sentences the encoder output must
+        be reduced to (``enc.index_select``) when the buffers were compacted, else None.
+        """
+        if self.beam > 1 and self.ancestors is not None:
+            self.ancestors = self.ancestors.index_select(0, new_order)
+        if sentences is None:
+            if self.beam > 1:
+                return None  # beams reordered within their sentences: only their ancestry changed
+            sentences = new_order
+        keep = sentences if self.live is None else self.live.index_select(0, sentences)
+        n = keep.numel()
+        increasing = n < 2 or bool((keep[1:] > keep[:-1]).all())
+        started = any(lc.k is not None or lc.cross_k is not None for lc in self.layers)
+        if started and increasing and n > COMPACT_FRACTION * self.buffered:
+            self.live = None if n == self.buffered else keep
+            return None
+        for lc in self.layers:
+            lc.select(keep, self.length * self.beam)
+        self.live = None
+        self.buffered = n
+        self.memory_mask_ready = False
+        return keep
