@@ -3,18 +3,23 @@
 
 Usage: python recipes/fetch_data.py MANIFEST --out DIR [--data-dir LOCAL_DIR]
 
-MANIFEST is a tab-separated file: ``name<TAB>sha256<TAB>url``. Each ``name`` is looked up in ``--data-dir`` (or the
-environment variable ATTNMT_DATA_DIR) when given, else downloaded from ``url``. Either way its sha256 must match,
-and the verified file is linked (or copied) into ``--out``. A wrong or corrupted file is reported by name, with the
-expected and the found checksum, and the script exits non-zero.
+MANIFEST is a tab-separated file: ``name<TAB>sha256<TAB>source``. Each ``name`` is looked up in ``--data-dir`` (or
+the environment variable ATTNMT_DATA_DIR) when given, else fetched from ``source``: a URL, or
+``sacrebleu:TESTSET:LANGPAIR:FIELD`` (e.g. ``sacrebleu:wmt14/full:en-de:src``), which asks sacrebleu to download
+its official copy of a test set. Either way the checksum must match, and the verified file is linked (or written)
+into ``--out``. The checksum is the sha256 of the file's *text*: for a ``.gz`` name, of its decompressed content,
+so a local gzipped copy and a fresh download verify the same way. A wrong or corrupted file is reported by name,
+with the expected and the found checksum, and the script exits non-zero.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import urllib.request
@@ -22,10 +27,15 @@ from pathlib import Path
 
 
 def sha256(path: Path) -> str:
+    """sha256 of the file's content (decompressed for ``.gz`` names)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
+    opener = gzip.open if path.name.endswith(".gz") else open
+    try:
+        with opener(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    except (OSError, EOFError) as e:  # a truncated or non-gzip ".gz"
+        return f"unreadable ({e})"
     return h.hexdigest()
 
 
@@ -36,34 +46,41 @@ def read_manifest(path: Path) -> list[tuple[str, str, str]]:
             continue
         parts = line.split("\t")
         if len(parts) != 3:
-            sys.exit(f"fetch_data: error: {path}:{lineno}: expected 'name<TAB>sha256<TAB>url', got {line!r}")
+            sys.exit(f"fetch_data: error: {path}:{lineno}: expected 'name<TAB>sha256<TAB>source', got {line!r}")
         rows.append((parts[0], parts[1], parts[2]))
     return rows
 
 
-def download(url: str, dest: Path) -> None:
+def download(source: str, dest: Path) -> None:
+    """Fetch ``source`` (a URL or ``sacrebleu:TESTSET:LANGPAIR:FIELD``) into ``dest`` atomically."""
     fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.")
     try:
-        with urllib.request.urlopen(url, timeout=60) as r, os.fdopen(fd, "wb") as f:
-            shutil.copyfileobj(r, f)
+        with os.fdopen(fd, "wb") as f:
+            if source.startswith("sacrebleu:"):
+                _, testset, langpair, field = source.split(":")
+                text = subprocess.run(["sacrebleu", "-t", testset, "-l", langpair, "--echo", field],
+                                      check=True, capture_output=True).stdout
+                if dest.name.endswith(".gz"):
+                    text = gzip.compress(text, mtime=0)
+                f.write(text)
+            else:
+                with urllib.request.urlopen(source, timeout=60) as r:
+                    shutil.copyfileobj(r, f)
         os.replace(tmp, dest)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("manifest", type=Path)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--data-dir", type=Path, default=os.environ.get("ATTNMT_DATA_DIR") or None)
-    args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+def fetch(manifest: Path, out: Path, data_dir: Path | None) -> int:
+    """Fetch and verify every file of ``manifest`` into ``out``; return the number of failures."""
+    out.mkdir(parents=True, exist_ok=True)
     bad = 0
-    for name, expected, url in read_manifest(args.manifest):
-        dest = args.out / name
-        if args.data_dir is not None:
-            src = args.data_dir / name
+    for name, expected, url in read_manifest(manifest):
+        dest = out / name
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if data_dir is not None:
+            src = data_dir / name
             if not src.exists():
                 print(f"fetch_data: error: {src}: missing; put the file there or leave out --data-dir to download "
                       f"it from {url}", file=sys.stderr)
@@ -71,11 +88,16 @@ def main() -> int:
                 continue
         else:
             src = dest
+            if url == "-" and not dest.exists():
+                print(f"fetch_data: error: {name}: no public copy of this exact file to download; make it with the "
+                      f"recipe's prepare step or pass --data-dir with local copies", file=sys.stderr)
+                bad += 1
+                continue
             if not (dest.exists() and sha256(dest) == expected):
                 print(f"fetch_data: downloading {url}", file=sys.stderr)
                 try:
                     download(url, dest)
-                except OSError as e:
+                except (OSError, subprocess.CalledProcessError) as e:
                     print(f"fetch_data: error: {url}: download failed ({e}); pass --data-dir with local copies",
                           file=sys.stderr)
                     bad += 1
@@ -93,7 +115,16 @@ def main() -> int:
             except OSError:
                 shutil.copyfile(src, dest)
         print(f"fetch_data: ok {name} sha256 {found[:12]}...", file=sys.stderr)
-    return 1 if bad else 0
+    return bad
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("manifest", type=Path)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--data-dir", type=Path, default=os.environ.get("ATTNMT_DATA_DIR") or None)
+    args = ap.parse_args()
+    return 1 if fetch(args.manifest, args.out, args.data_dir) else 0
 
 
 if __name__ == "__main__":
