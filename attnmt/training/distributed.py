@@ -140,18 +140,29 @@ class Peers:
     hosts: list[str]
     pids: list[int]
 
-    def describe_missing(self, me: int) -> str:
-        """'rank 1 (pid 123) has exited' for peers on this host whose process is gone or stopped."""
-        host = self.hosts[me]
+    def missing(self, me: int) -> list[str]:
+        """'rank 1 (pid 123) has exited' for each peer on this host whose process is gone or stopped."""
         found = []
         for r, (h, pid) in enumerate(zip(self.hosts, self.pids)):
-            if r == me or h != host:
+            if r == me or h != self.hosts[me]:
                 continue
             state = _process_state(pid)
             if state is None or state in "ZX":
                 found.append(f"rank {r} (pid {pid}) has exited")
             elif state in "Tt":
                 found.append(f"rank {r} (pid {pid}) is stopped")
+        return found
+
+    def describe_missing(self, me: int, wait_s: float = 2.0) -> str:
+        """Who is missing; waits up to ``wait_s`` because a killed peer's sockets close before its process is gone."""
+        import time
+
+        deadline = time.monotonic() + wait_s
+        while True:
+            found = self.missing(me)
+            if found or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
         if found:
             return "; ".join(found)
         others = len(self.hosts) - 1
@@ -372,6 +383,7 @@ def _first_line(e: BaseException, limit: int = 200) -> str:
     """The first line of an error without gloo's/NCCL's ``[source/file.cc:123]`` prefix, at most ``limit`` chars."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     line = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", lines[0]) if lines else type(e).__name__
+    line = line.split(". ")[0]  # gloo appends advice that does not apply here
     return line if len(line) <= limit else line[: limit - 3].rstrip() + "..."
 
 
