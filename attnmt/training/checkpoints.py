@@ -5,7 +5,11 @@ A checkpoint is a ``torch.save``d dict of tensors and plain containers only, loa
 
     {"format": "attnmt-checkpoint", "version": 1, "model_name", "arch", "model_config", "model",
      "data": {languages, dictionaries + sha256, SentencePiece model bytes as a uint8 tensor, tokenizer, lowercase},
-     "train": {num_updates, epoch, iterator position, optimizer, lr_scheduler, scaler, rng, best, configs, ...}}
+     "train": {num_updates, epoch, iterator position, optimizer, lr_scheduler, scaler, rng, rng_other_ranks, best,
+               configs, ...}}
+
+``rng`` is rank 0's random-number state and ``rng_other_ranks`` those of ranks 1..W-1 of a multi-process run
+(gathered to rank 0, which alone writes checkpoints); on resume every rank restores its own.
 
 Names in ``--save-dir`` (as fairseq): ``checkpoint_last.pt`` (every save), ``checkpoint_best.pt`` (best validation
 so far), ``checkpoint{epoch}.pt`` (end of an epoch), ``checkpoint_{epoch}_{updates}.pt`` (every

@@ -215,7 +215,11 @@ def init(env: Env, device: torch.device, cfg: DistributedConfig) -> Peers:
                             f"({_first_line(e)}); check that all of them were started with the same rendezvous "
                             f"and can reach MASTER_ADDR:MASTER_PORT") from None
     info: list = [None] * env.world_size
-    dist.all_gather_object(info, (socket.gethostname(), os.getpid()))
+    try:
+        dist.all_gather_object(info, (socket.gethostname(), os.getpid()))
+    except RuntimeError as e:
+        raise UserError(f"rank {env.rank}: lost the other training processes while starting ({_first_line(e)}); "
+                        f"see the first failing rank's error and run the same command again") from None
     return Peers([h for h, _ in info], [p for _, p in info])
 
 
