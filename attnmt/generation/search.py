@@ -196,7 +196,7 @@ def step_log_probs(logits: Tensor, step: int, max_len: Tensor, generated: Tensor
     ``max_len``: (R,) per-row limits; ``generated``: (R, step) the tokens so far. Padding (and BOS) never appear,
     ``--unkpen`` is subtracted from the unknown word, EOS is barred before ``--min-len`` and forced at ``max_len``.
     """
-    lprobs = torch.log_softmax(logits.float(), dim=-1)
+    lprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
     lprobs[:, sym.pad] = NEG_INF
     if sym.bos is not None and sym.bos != sym.eos:
         lprobs[:, sym.bos] = NEG_INF
@@ -213,6 +213,55 @@ def step_log_probs(logits: Tensor, step: int, max_len: Tensor, generated: Tensor
         lprobs[rows] = NEG_INF
         lprobs[rows, sym.eos] = eos_lp[rows]
     return lprobs
+
+
+# --------------------------------------------------------------------------------------- candidate selection
+
+TOPK_CHUNK = 64  # row_topk's block size: the vocabulary is scanned as blocks of this many tokens
+
+
+def row_topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The ``k`` largest values of each row of ``x`` (R, V) and their column indices, sorted, like ``x.topk(k)``.
+
+    ``torch.topk`` over a 10k-token vocabulary costs several times a max reduction over the same row, and it is
+    the costliest step of a beam search after the output projection. So the row is cut into blocks of
+    ``TOPK_CHUNK`` tokens: the top ``k`` values lie in the ``k`` blocks with the largest maxima (a block holding one
+    of them has a maximum at least the k-th value; fewer than ``k`` blocks exceed it), so one max reduction over
+    the row and a top-k over ``k * TOPK_CHUNK`` values give the same values. Among equal values the chosen
+    indices may differ from ``torch.topk``'s; each row is handled on its own, so batching never matters.
+    """
+    R, V = x.shape
+    c = TOPK_CHUNK
+    n = V // c
+    if n <= 2 * k:
+        return x.topk(k, dim=1)
+    blocks = x[:, : n * c].view(R, n, c)
+    best = blocks.amax(dim=2).topk(k, dim=1).indices  # (R, k) the blocks holding the top k
+    vals = blocks.gather(1, best[:, :, None].expand(R, k, c)).view(R, k * c)
+    cols = (best[:, :, None] * c + torch.arange(c, device=x.device)).view(R, k * c)
+    if n * c < V:  # the last, partial block: always a candidate
+        vals = torch.cat([vals, x[:, n * c:]], dim=1)
+        cols = torch.cat([cols, torch.arange(n * c, V, device=x.device).expand(R, V - n * c)], dim=1)
+    top, j = vals.topk(k, dim=1)
+    return top, cols.gather(1, j)
+
+
+def best_extensions(lprobs: Tensor, scores: Tensor, beam: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The best ``2 * beam`` one-token extensions per sentence, best first.
+
+    ``lprobs`` (A * beam, V): next-token log-probabilities of each sentence's ``beam`` hypotheses (consecutive
+    rows); ``scores`` (A * beam,): their cumulative log-probabilities. Returns, each (A, C) with
+    ``C = min(2 * beam, beam * V)``: the extended cumulative scores, the new token's log-probability, the
+    hypothesis extended (0..beam-1) and the token. The best ``2 * beam`` of a sentence are among the best
+    ``2 * beam`` of each of its rows (a row's candidates all shift by the row's score), so only those are merged.
+    """
+    R, V = lprobs.shape
+    k = min(2 * beam, V)
+    row_lp, row_tok = row_topk(lprobs, k)  # (R, k)
+    A = R // beam
+    cand = (scores.view(-1, 1) + row_lp).view(A, beam * k)
+    top_s, j = cand.topk(min(2 * beam, beam * k), dim=1)
+    return top_s, row_lp.view(A, beam * k).gather(1, j), j // k, row_tok.view(A, beam * k).gather(1, j)
 
 
 # ------------------------------------------------------------------------------------------------ bookkeeping
@@ -318,11 +367,7 @@ def beam_search(model: IncrementalModel, src_tokens: Tensor, src_lengths: Tensor
     for step in range(T - 1):
         logits = model.decode(tokens[:, step:step + 1], enc, cache)[:, -1]
         lprobs = step_log_probs(logits, step, max_len.repeat_interleave(K), tokens[:, 1:step + 1], cfg, sym)
-        V = lprobs.size(1)
-        cand = (scores.view(-1, 1) + lprobs).view(A, K * V)
-        top_s, top_i = cand.topk(min(2 * K, K * V), dim=1)
-        top_lp = lprobs.view(A, K * V).gather(1, top_i)
-        beam_i, tok = top_i // V, top_i % V
+        top_s, top_lp, beam_i, tok = best_extensions(lprobs, scores.view(-1), K)  # (A, C) each
         is_eos = tok == sym.eos
         fin = is_eos & (top_s > NEG_INF)
         if bool(fin.any()):
@@ -380,8 +425,7 @@ def greedy_search(model: IncrementalModel, src_tokens: Tensor, src_lengths: Tens
     for step in range(T - 1):
         logits = model.decode(tokens[:, step:step + 1], enc, cache)[:, -1]
         lprobs = step_log_probs(logits, step, max_len, tokens[:, 1:step + 1], cfg, sym)
-        top_s, top_i = (scores.view(-1, 1) + lprobs).topk(2, dim=1)
-        top_lp = lprobs.gather(1, top_i)
+        top_s, top_lp, _, top_i = best_extensions(lprobs, scores, 1)  # the same arithmetic as beam search
         is_eos = top_i == sym.eos
         fin = is_eos & (top_s > NEG_INF)
         if bool(fin.any()):
