@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnmt.errors import UserError
+from attnmt.models.dropout import Dropout
 from attnmt.models.incremental import DecoderCache, LayerCache
 from attnmt.registry import register, register_arch
 
@@ -212,12 +213,17 @@ class InputEmbedding(nn.Module):
         self.tokens = tokens
         self.positions = positions
         self.scale = math.sqrt(tokens.embedding_dim) if scale else 1.0
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.pad_idx = pad_idx
 
     def forward(self, tokens: Tensor, start: int = 0) -> Tensor:  # tokens (B, T)
         pos = positions_of(tokens, self.pad_idx, start)  # (B, T)
         x = self.scale * self.tokens(tokens) + self.positions(pos, start + tokens.size(1))  # (B, T, D)
+        if torch.is_autocast_enabled(x.device.type):
+            # Under autocast the whole residual stream stays in the low-precision dtype (as in fairseq --bf16):
+            # every matmul runs in it anyway, LayerNorm on bf16 input computes its statistics in fp32 and
+            # returns bf16, and an fp32 stream would cost a conversion before and after every sub-layer.
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         return self.dropout(x)
 
 
@@ -339,7 +345,7 @@ class FeedForward(nn.Module):
         super().__init__()
         self.fc1 = linear(embed_dim, ffn_dim)
         self.fc2 = linear(ffn_dim, embed_dim)
-        self.activation_dropout = nn.Dropout(activation_dropout)
+        self.activation_dropout = Dropout(activation_dropout)
 
     def forward(self, x: Tensor) -> Tensor:  # (B, T, D)
         return self.fc2(self.activation_dropout(F.relu(self.fc1(x))))  # (B, T, D)
@@ -348,12 +354,12 @@ class FeedForward(nn.Module):
 # ------------------------------------------------------------- 5.4 residual dropout around each sub-layer
 
 
-def residual(x: Tensor, sublayer, norm: nn.LayerNorm, dropout: nn.Dropout, normalize_before: bool) -> Tensor:
+def residual(x: Tensor, sublayer, norm: nn.LayerNorm, dropout: Dropout, normalize_before: bool) -> Tensor:
     """Post-norm (the paper, 3.1): LayerNorm(x + Dropout(Sublayer(x))).
     Pre-norm (optional): x + Dropout(Sublayer(LayerNorm(x))), which trains deep stacks without warm-up tricks."""
     if normalize_before:
-        return x + dropout(sublayer(norm(x)))
-    return norm(x + dropout(sublayer(x)))
+        return dropout.add(x, sublayer(norm(x)))
+    return norm(dropout.add(x, sublayer(x)))
 
 
 # -------------------------------------------------------------------------------- incremental decoding
@@ -381,7 +387,7 @@ class EncoderLayer(nn.Module):
         self.self_attn_norm = nn.LayerNorm(d)
         self.ffn = FeedForward(d, cfg.encoder_ffn_embed_dim, cfg.activation_dropout)
         self.ffn_norm = nn.LayerNorm(d)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
 
     def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:  # (B, S, D)
         x = residual(x, lambda h: self.self_attn(h, mask=mask), self.self_attn_norm, self.dropout,
@@ -403,7 +409,7 @@ class DecoderLayer(nn.Module):
         self.cross_attn_norm = nn.LayerNorm(d)
         self.ffn = FeedForward(d, cfg.decoder_ffn_embed_dim, cfg.activation_dropout)
         self.ffn_norm = nn.LayerNorm(d)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
 
     def _self_attention(self, h: Tensor, cache: LayerCache | None, start: int) -> Tensor:
         """3.2.3: each position attends to itself and earlier positions only."""
