@@ -139,7 +139,7 @@ def test_ranks_together_take_the_groups_one_process_takes_with_a_larger_update_f
 
 
 def test_environment_device_and_backend():
-    assert distributed.Env.from_environ({}) == distributed.Env(0, 1, 0)
+    assert distributed.Env.from_environ({}) == distributed.Env.from_environ({"RANK": "2"}) == distributed.Env(0, 1, 0)
     assert distributed.Env.from_environ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}) == distributed.Env(3, 4, 1)
     with pytest.raises(UserError, match="RANK=4, WORLD_SIZE=4"):
         distributed.Env.from_environ({"RANK": "4", "WORLD_SIZE": "4"})

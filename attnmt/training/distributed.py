@@ -80,6 +80,8 @@ class Env:
     @classmethod
     def from_environ(cls, environ=None) -> Env:
         environ = os.environ if environ is None else environ
+        if environ.get("WORLD_SIZE") in (None, ""):  # not started by a launcher (a stray RANK alone means nothing)
+            return cls()
         values = {}
         for key, default in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)):
             raw = environ.get(key)
