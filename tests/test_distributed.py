@@ -47,6 +47,23 @@ def _torchrun(*args) -> list[str]:
             "-m", "attnmt.cli", "train", *map(str, args)]
 
 
+def _two_nodes(*args, timeout=120) -> subprocess.CompletedProcess:
+    """Two torchrun "nodes" (one process each) meeting at a c10d rendezvous, as on a cluster (here on localhost)."""
+    endpoint = f"127.0.0.1:{_free_port()}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "two-nodes",
+           "-m", "attnmt.cli", "train", *map(str, args)]
+    nodes = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env())
+             for _ in range(2)]
+    try:
+        errs = [p.communicate(timeout=timeout)[1] for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+    return subprocess.CompletedProcess(cmd, max(p.returncode for p in nodes), "", "\n".join(errs))
+
+
 def _attnmt(*args) -> list[str]:
     return [sys.executable, "-m", "attnmt.cli", "train", *map(str, args)]
 
@@ -313,9 +330,12 @@ def test_out_of_memory_on_one_rank_stops_both_ranks_without_a_hang(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("update_freq", [1, 2])
-def test_two_processes_equal_one_process_with_twice_the_update_freq(tmp_path, update_freq, capsys):
+@pytest.mark.parametrize("update_freq, launch", [(1, "two nodes"), (2, "one node")])
+def test_two_processes_equal_one_process_with_twice_the_update_freq(tmp_path, update_freq, launch, capsys):
     """2 processes x update-freq U == 1 process x update-freq 2U after K updates (dropout off, fp32).
+
+    The 2 processes run on one node (torchrun --standalone --nproc-per-node 2) or as two nodes of one process each
+    meeting at a c10d rendezvous (--nnodes 2 --rdzv-backend c10d --rdzv-endpoint HOST:PORT).
 
     --adam-eps 1e-4: a few gradients are zero in exact arithmetic (the key bias: softmax ignores a shift shared by
     all keys) and hold only rounding noise, which Adam with eps 1e-9 turns into steps of the full learning rate in
@@ -325,7 +345,8 @@ def test_two_processes_equal_one_process_with_twice_the_update_freq(tmp_path, up
     args = [data, *BASE, "--dropout", "0", "--max-tokens", "96", "--max-update", "6", "--adam-eps", "1e-4",
             "--log-interval", "3"]
     two, one = tmp_path / "two", tmp_path / "one"
-    r = _run(_torchrun(*args, "--update-freq", update_freq, "--save-dir", two, "--progress", "lines"))
+    extra = ["--update-freq", update_freq, "--save-dir", two, "--progress", "lines"]
+    r = _two_nodes(*args, *extra) if launch == "two nodes" else _run(_torchrun(*args, *extra))
     assert r.returncode == 0, r.stderr[-3000:]
     assert (f"effective batch = max-tokens x world size x update-freq = 96 x 2 x {update_freq} = "
             f"{192 * update_freq} padded tokens per update") in r.stderr
