@@ -14,6 +14,7 @@ Logged figures follow fairseq's convention so that numbers can be compared with 
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, field
 
@@ -39,70 +40,98 @@ class CrossEntropyConfig:
     pass
 
 
-def _logits_and_target(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+def _accepts_output_mask(model) -> bool:
+    """Whether the model (or the one inside a DDP wrapper) takes ``output_mask`` (see TransformerModel.forward)."""
+    inner = getattr(model, "module", model)
+    try:
+        return "output_mask" in inspect.signature(inner.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _logits_and_target(model, batch, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits (N, V) and targets (N,): only the non-padding positions when the model can select them."""
     net = batch["net_input"]
+    target = batch["target"]
+    if _accepts_output_mask(model):
+        keep = target.ne(pad)
+        logits = model(net["src_tokens"], net["src_lengths"], net["prev_output_tokens"], output_mask=keep)
+        return logits, target[keep]  # (N, V), (N,)
     logits = model(net["src_tokens"], net["src_lengths"], net["prev_output_tokens"])  # (B, T, V)
-    return logits.reshape(-1, logits.size(-1)), batch["target"].reshape(-1)  # (N, V), (N,)
+    return logits.reshape(-1, logits.size(-1)), target.reshape(-1)
 
 
-_BLOCK_ELEMENTS = 1 << 22  # rows are processed in blocks of about 4M logits (16 MB in fp32)
+_BLOCK_ELEMENTS = 1 << 18  # logits per block and thread: 1 MB in fp32, so a block's passes stay in the L2 cache
 
 
 def _row_blocks(n: int, vocab: int):
-    step = max(1, _BLOCK_ELEMENTS // max(vocab, 1))
+    step = max(1, _BLOCK_ELEMENTS * torch.get_num_threads() // max(vocab, 1))
     for i in range(0, n, step):
         yield slice(i, min(i + step, n))
 
 
 class _SmoothedNLL(torch.autograd.Function):
-    """Label-smoothed cross-entropy over logits in one pass, with its gradient written directly.
+    """Label-smoothed cross-entropy over logits, block of rows by block of rows, with its gradient written directly.
 
-    Forward, per row (in fp32, a block of rows at a time): ``lse = logsumexp(x)``, ``nll = lse - x_y``,
-    ``smooth = V * lse - sum_v x_v``. Backward: ``d loss / d x = softmax(x) - q`` with the smoothed target
-    ``q = (1 - eps) onehot(y) + eps / V``, zero on padding rows. No (N, V) tensor is kept in fp32 and there is
-    no masked gather/scatter of the logits: on CPU those cost more than the loss itself.
+    Forward, per row in fp32: ``lp = log_softmax(x)``, then ``log p(y) = lp_y`` and ``sum_v lp_v``. Backward:
+    ``d loss / d x = softmax(x) - q`` with the smoothed target ``q = (1 - eps) onehot(y) + eps / V``, zero on
+    rows of weight 0 (padding). The blocks are small enough to stay in the L2 cache between the passes over
+    them (conversion, log-softmax, sums); the full (N, V) logits are read once per direction. For bf16 logits
+    the backward's softmax runs on bf16 in, bf16 out (fp32 inside the kernel): the gradient is bf16 anyway.
     """
 
     @staticmethod
     def forward(ctx, logits, target, weight, epsilon: float):
         n, vocab = logits.shape
-        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-        nll = torch.empty(n, dtype=torch.float32, device=logits.device)
-        total = torch.zeros(n, dtype=torch.float32, device=logits.device)
+        lp_y = torch.empty(n, 1, dtype=torch.float32, device=logits.device)  # log p(y) per row
+        lp_sum = torch.empty(n, 1, dtype=torch.float32, device=logits.device)  # sum_v log p(v) per row
+        buf = None
         for rows in _row_blocks(n, vocab):
-            x = logits[rows].float()
-            lse[rows] = torch.logsumexp(x, dim=-1)
-            nll[rows] = lse[rows] - x.gather(-1, target[rows, None]).squeeze(-1)
+            x = logits[rows]
+            if x.dtype != torch.float32:
+                if buf is None:
+                    buf = torch.empty(rows.stop - rows.start, vocab, dtype=torch.float32, device=logits.device)
+                x = buf[: rows.stop - rows.start].copy_(x)
+            lp = torch.log_softmax(x, dim=-1)
+            torch.gather(lp, 1, target[rows, None], out=lp_y[rows])
             if epsilon:
-                total[rows] = x.sum(-1)
-        nll_sum = (nll * weight).sum()
+                torch.sum(lp, dim=-1, keepdim=True, out=lp_sum[rows])
+        lp_y, lp_sum = lp_y.squeeze(1), lp_sum.squeeze(1)
+        if weight is not None:
+            lp_y, lp_sum = lp_y * weight, lp_sum * weight
+        nll_sum = -lp_y.sum()
         if epsilon:
-            smooth_sum = ((vocab * lse - total) * weight).sum()
-            loss = (1.0 - epsilon) * nll_sum + (epsilon / vocab) * smooth_sum
+            loss = (1.0 - epsilon) * nll_sum - (epsilon / vocab) * lp_sum.sum()
         else:
             loss = nll_sum.clone()
-        ctx.save_for_backward(logits, target, weight, lse)
+        ctx.save_for_backward(logits, target, weight)
         ctx.epsilon = epsilon
         return loss, nll_sum
 
     @staticmethod
     def backward(ctx, grad_loss, grad_nll):
-        logits, target, weight, lse = ctx.saved_tensors
+        logits, target, weight = ctx.saved_tensors
         eps = ctx.epsilon
         n, vocab = logits.shape
-        grad = torch.empty_like(logits)
-        # d/dx of (g_loss * loss + g_nll * nll) = (g_loss + g_nll) * p - g_loss * q - g_nll * onehot
-        g_loss = weight * grad_loss.float()
-        g_nll = weight * grad_nll.float() if grad_nll is not None else torch.zeros_like(weight)
+        # d/dx of (g_loss * loss + g_nll * nll) = (g_loss + g_nll) * p - g_loss * eps / V - ((1 - eps) g_loss + g_nll) onehot
+        g_loss = float(grad_loss) if grad_loss is not None else 0.0
+        g_nll = float(grad_nll) if grad_nll is not None else 0.0
         g_p = g_loss + g_nll
-        g_hot = -((1.0 - eps) * g_loss + g_nll)
-        for rows in _row_blocks(n, vocab):
-            block = torch.exp(logits[rows].float() - lse[rows, None])  # softmax, (rows, V)
-            block *= g_p[rows, None]
-            if eps:
-                block -= g_loss[rows, None] * (eps / vocab)
-            block.scatter_add_(-1, target[rows, None], g_hot[rows, None])
-            grad[rows] = block
+        grad = torch.empty_like(logits)
+        if g_p == 0.0:  # e.g. a batch of weight 0 that only keeps distributed ranks in step
+            grad.fill_(-g_loss * eps / vocab)
+        else:
+            shift = g_loss * eps / vocab / g_p
+            for rows in _row_blocks(n, vocab):
+                p = torch.softmax(logits[rows], dim=-1)  # (rows, V) in the logits' dtype
+                if shift:
+                    p.sub_(shift)
+                torch.mul(p, g_p, out=grad[rows])
+        hot = torch.full((n,), -((1.0 - eps) * g_loss + g_nll), dtype=grad.dtype, device=grad.device)
+        offsets = torch.arange(n, device=grad.device) * vocab
+        grad.view(-1).index_add_(0, offsets + target, hot)
+        if weight is not None:
+            grad.mul_(weight.to(grad.dtype)[:, None])
         return grad, None, None, None
 
 
@@ -130,7 +159,10 @@ def smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, pad: int,
     The same value as :func:`label_smoothed_nll_loss` on ``log_softmax(logits.float())`` of the non-padding rows,
     computed in fp32 by the one-pass kernel :class:`_SmoothedNLL`.
     """
+    logits = logits.contiguous()
     keep = target.ne(pad)
+    if bool(keep.all()):  # the training path: padding rows were never projected
+        return _SmoothedNLL.apply(logits, target, None, float(epsilon))
     return _SmoothedNLL.apply(logits, target.masked_fill(~keep, 0), keep.float(), float(epsilon))
 
 
@@ -153,7 +185,7 @@ class LabelSmoothedCrossEntropy:
         self.pad = pad
 
     def __call__(self, model, batch) -> tuple[torch.Tensor, dict]:
-        logits, target = _logits_and_target(model, batch)
+        logits, target = _logits_and_target(model, batch, self.pad)
         loss, nll = smoothed_cross_entropy(logits, target, self.pad, self.cfg.label_smoothing)
         return loss, _logging(loss, nll, batch)
 
@@ -167,7 +199,7 @@ class CrossEntropy:
         self.pad = pad
 
     def __call__(self, model, batch) -> tuple[torch.Tensor, dict]:
-        logits, target = _logits_and_target(model, batch)
+        logits, target = _logits_and_target(model, batch, self.pad)
         loss, _ = smoothed_cross_entropy(logits, target, self.pad, 0.0)
         return loss, _logging(loss, loss, batch)
 

@@ -485,7 +485,9 @@ class TransformerDecoder(nn.Module):
         self.final_norm = nn.LayerNorm(cfg.decoder_embed_dim) if cfg.decoder_normalize_before else None
         self.output_projection = output_projection
 
-    def forward(self, prev_output_tokens: Tensor, enc: EncoderOut, cache: DecoderCache | None = None) -> Tensor:
+    def forward(self, prev_output_tokens: Tensor, enc: EncoderOut, cache: DecoderCache | None = None,
+                output_mask: Tensor | None = None) -> Tensor:
+        """Logits (B, T, V), or (N, V) for the N positions where ``output_mask`` (B, T) is True."""
         start = 0 if cache is None else cache.length
         x = self.embed(prev_output_tokens, start)  # (B, T, D)
         if cache is None:
@@ -502,7 +504,11 @@ class TransformerDecoder(nn.Module):
             cache.length += prev_output_tokens.size(1)
         if self.final_norm is not None:
             x = self.final_norm(x)
-        return self.output_projection(x)  # (B, T, V)
+        if output_mask is not None:  # (N, D): padding positions never reach the (large) output projection
+            x = x.reshape(-1, x.size(-1))
+            if not bool(output_mask.all()):
+                x = x.index_select(0, output_mask.reshape(-1).nonzero().squeeze(1))  # = x[output_mask], faster
+        return self.output_projection(x)  # (B, T, V) or (N, V)
 
     def forward_with_cross_attention(self, prev_output_tokens: Tensor, enc: EncoderOut) -> tuple[Tensor, Tensor]:
         """Teacher-forced logits (B, T, V) and every layer's encoder-decoder attention weights (B, L, H, T, S)."""
@@ -564,9 +570,16 @@ class TransformerModel(nn.Module):
         """The model for dictionaries of ``src_vocab`` / ``tgt_vocab`` symbols (``joint_vocab``: one shared one)."""
         return cls(cfg, src_vocab, tgt_vocab, pad_idx, joint_vocab=joint_vocab)
 
-    def forward(self, src_tokens: Tensor, src_lengths: Tensor, prev_output_tokens: Tensor) -> Tensor:
-        """Teacher-forced logits (B, T, V) for right-padded ``src_tokens`` (B, S) and ``prev_output_tokens`` (B, T)."""
-        return self.decode(prev_output_tokens, self.encode(src_tokens, src_lengths))
+    def forward(self, src_tokens: Tensor, src_lengths: Tensor, prev_output_tokens: Tensor,
+                output_mask: Tensor | None = None) -> Tensor:
+        """Teacher-forced logits (B, T, V) for right-padded ``src_tokens`` (B, S) and ``prev_output_tokens`` (B, T).
+
+        With ``output_mask`` (B, T) bool: logits (N, V) of only the N positions where it is True, in row-major
+        order (``logits_full[output_mask]``). Training passes the non-padding target positions: the projection to
+        the vocabulary and the loss are the largest per-token costs, and padding rows would be computed for
+        nothing.
+        """
+        return self.decoder(prev_output_tokens, self.encode(src_tokens, src_lengths), output_mask=output_mask)
 
     def encode(self, src_tokens: Tensor, src_lengths: Tensor) -> EncoderOut:
         """Encoder output (B, S, D) and padding mask (B, S).
