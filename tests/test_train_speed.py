@@ -156,3 +156,20 @@ def test_bf16_autocast_keeps_the_residual_stream_in_bf16_and_close_to_fp32():
     assert seen == [torch.float32, torch.bfloat16]
     keep = b["target"].ne(PAD)
     assert (F.log_softmax(low, -1) - F.log_softmax(ref, -1))[keep].abs().max() < 0.1
+
+
+def test_cpu_runtime_settings_apply_once_and_respect_the_user(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import os, json; os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'] = '77'\n"
+            "from attnmt.training.cpu_runtime import tune_cpu_runtime\n"
+            "first = tune_cpu_runtime(); second = tune_cpu_runtime()\n"
+            "print(json.dumps([first, second, os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY']]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    import json
+
+    first, second, capacity = json.loads(out)
+    assert first["onednn_primitive_cache_capacity"] == "77" and capacity == "77" and second == {}
+    if sys.platform.startswith("linux"):
+        assert first["malloc_keep_freed"] is True

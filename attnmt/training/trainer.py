@@ -30,6 +30,7 @@ import torch
 from attnmt.data.pairs import move_to
 from attnmt.errors import UserError
 from attnmt.training import distributed
+from attnmt.training.cpu_runtime import tune_cpu_runtime
 
 
 def global_sum(values: list[float], device: torch.device) -> list[float]:
@@ -87,6 +88,8 @@ class Trainer:
         self.num_overflows = 0
         self._dummy: dict | None = None
         self.lr = self.lr_scheduler.step_update(self.optimizer, 0)
+        if device.type == "cpu":
+            tune_cpu_runtime()  # heap reuse and a larger oneDNN kernel cache (see cpu_runtime.py)
 
     # ----------------------------------------------------------------------------------------------- helpers
 
