@@ -61,7 +61,7 @@ attnmt train "$BIN" --arch "$ARCH" --save-dir "$CKPT" $PRECISION --threads "$THR
   --keep-last-epochs "$AVG" --seed 1 --log-interval 50 $EXTRA_TRAIN_ARGS
 
 log "4/6 average the last $AVG epoch checkpoints"
-N=$(ls "$CKPT"/checkpoint[0-9]*.pt 2>/dev/null | wc -l)
+N=$(find "$CKPT" -name 'checkpoint[0-9]*.pt' | wc -l)
 if [ "$N" -ge 2 ]; then
   K=$(( N < AVG ? N : AVG ))
   attnmt average-checkpoints --inputs "$CKPT" --num-epoch-checkpoints "$K" --output "$CKPT/averaged.pt"

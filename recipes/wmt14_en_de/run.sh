@@ -57,7 +57,7 @@ if [ "$SMOKE" = 1 ]; then
   log "SMOKE: training on the first $SMOKE_LINES lines of newstest2013 (a stand-in for the WMT14 training data)"
   for l in en de; do sed -n "1,${SMOKE_LINES}p" "$RAW/newstest2013.$l" > "$RAW/train.$l"; done
   VOCAB=${SMOKE_VOCAB:-2000}; MAX_UPDATE=${SMOKE_UPDATES:-4}; AVG=2
-  SAVE="--save-interval-updates 2 --no-epoch-checkpoints"
+  SAVE="--save-interval-updates 1 --no-epoch-checkpoints"
 else
   python "$HERE/../fetch_data.py" "$HERE/manifest_train.tsv" --out "$RAW/archives" ${DATA_DIR:+--data-dir "$DATA_DIR"}
   [ -s "$RAW/train.en.gz" ] || python "$HERE/get_train.py" "$RAW/archives" "$RAW/train"
