@@ -173,3 +173,44 @@ def test_cpu_runtime_settings_apply_once_and_respect_the_user(tmp_path):
     assert first["onednn_primitive_cache_capacity"] == "77" and capacity == "77" and second == {}
     if sys.platform.startswith("linux"):
         assert first["malloc_keep_freed"] is True
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_plain_attention_equals_sdpa(causal):
+    from attnmt.models.transformer import plain_attention
+
+    torch.manual_seed(6)
+    q, k, v = (torch.randn(3, 2, 5, 8, dtype=torch.float64) for _ in range(3))
+    mask = None
+    if not causal:
+        mask = torch.ones(3, 1, 1, 5, dtype=torch.bool)
+        mask[1, ..., 3:] = False
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+    assert torch.allclose(plain_attention(q, k, v, mask, causal, 0.0), ref, atol=1e-12)
+
+
+def test_math_backend_on_cpu_runs_the_plain_kernel_with_the_same_result():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import attnmt.models.transformer as T
+
+    model = _model().eval()
+    b = _batch()
+    net = b["net_input"]
+    calls = []
+    original = T.plain_attention
+
+    def counting(*args):
+        calls.append(1)
+        return original(*args)
+
+    with torch.no_grad():
+        ref = model(net["src_tokens"], net["src_lengths"], net["prev_output_tokens"])
+        T.plain_attention = counting
+        try:
+            with sdpa_kernel([SDPBackend.MATH]):
+                out = model(net["src_tokens"], net["src_lengths"], net["prev_output_tokens"])
+        finally:
+            T.plain_attention = original
+    assert len(calls) == 2 * 1 + 2 * 2  # encoder self-attention, decoder self- and cross-attention, 2 layers
+    assert torch.allclose(out, ref, atol=1e-5)

@@ -76,8 +76,8 @@ class TrainConfig:
     threads: int | None = field(default=None, metadata={"help": "CPU threads for torch (torch.set_num_threads)"})
     clip_norm: float = field(default=0.0, metadata={"help": "clip the gradient norm to this value (0: off)"})
     cpu_attention: Literal["auto", "math", "flash"] = field(default="auto", metadata={
-        "help": "attention kernel on CPU: math (matmul-softmax-matmul, fastest for sentences up to ~128 tokens), "
-                "flash (fused, faster for long sequences) or auto (math up to 128 tokens, flash beyond)"})
+        "help": "attention kernel on CPU: math (matmul-softmax-matmul, fastest for sentences up to ~256 tokens), "
+                "flash (fused, faster for long sequences) or auto (math up to 256 tokens, flash beyond)"})
     # checkpoints
     save_dir: str = field(default="checkpoints", metadata={"help": "directory for checkpoints and train.jsonl"})
     save_interval: int = field(default=1, metadata={"help": "save an epoch checkpoint every N epochs"})
