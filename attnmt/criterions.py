@@ -40,28 +40,39 @@ class CrossEntropyConfig:
     pass
 
 
-def _accepts_output_mask(model) -> bool:
-    """Whether the model (or the one inside a DDP wrapper) takes ``output_mask`` (see TransformerModel.forward)."""
+def _forward_takes(model, name: str) -> bool:
+    """Whether the model (or the one inside a DDP wrapper) has keyword ``name`` in its forward."""
     inner = getattr(model, "module", model)
     try:
-        return "output_mask" in inspect.signature(inner.forward).parameters
+        return name in inspect.signature(inner.forward).parameters
     except (TypeError, ValueError):
         return False
 
 
-def _logits_and_target(model, batch, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits (N, V) and targets (N,): only the non-padding positions when the model can select them."""
+def _model_outputs(model, batch, pad: int):
+    """What the loss is computed from, for the non-padding target positions whenever the model can select them:
+
+    * ``("features", h (N, D), W (V, D), target (N,))`` when the model returns the features before its output
+      projection and exposes that projection's weight (``TransformerModel``): projection and loss are then fused;
+    * ``("logits", logits (N, V), target (N,))`` otherwise (padding rows included for models without
+      ``output_mask``).
+    """
     net = batch["net_input"]
     target = batch["target"]
-    if _accepts_output_mask(model):
+    inner = getattr(model, "module", model)
+    if _forward_takes(model, "output_mask"):
         keep = target.ne(pad)
-        logits = model(net["src_tokens"], net["src_lengths"], net["prev_output_tokens"], output_mask=keep)
-        return logits, target[keep]  # (N, V), (N,)
+        args = (net["src_tokens"], net["src_lengths"], net["prev_output_tokens"])
+        if _forward_takes(model, "features_only") and hasattr(inner, "output_projection_weight"):
+            h = model(*args, output_mask=keep, features_only=True)  # (N, D)
+            return "features", h, inner.output_projection_weight(), target[keep]
+        return "logits", model(*args, output_mask=keep), target[keep]  # (N, V), (N,)
     logits = model(net["src_tokens"], net["src_lengths"], net["prev_output_tokens"])  # (B, T, V)
-    return logits.reshape(-1, logits.size(-1)), target.reshape(-1)
+    return "logits", logits.reshape(-1, logits.size(-1)), target.reshape(-1)
 
 
 _BLOCK_ELEMENTS = 1 << 18  # logits per block and thread: 1 MB in fp32, so a block's passes stay in the L2 cache
+_PROJECTION_ELEMENTS = 1 << 25  # logits per block of the fused output projection (64 MB in bf16)
 
 
 def _row_blocks(n: int, vocab: int):
@@ -70,69 +81,162 @@ def _row_blocks(n: int, vocab: int):
         yield slice(i, min(i + step, n))
 
 
-class _SmoothedNLL(torch.autograd.Function):
-    """Label-smoothed cross-entropy over logits, block of rows by block of rows, with its gradient written directly.
+class _Scratch:
+    """An fp32 buffer for one block of rows, allocated on first use and reused for every block."""
 
-    Forward, per row in fp32: ``lp = log_softmax(x)``, then ``log p(y) = lp_y`` and ``sum_v lp_v``. Backward:
-    ``d loss / d x = softmax(x) - q`` with the smoothed target ``q = (1 - eps) onehot(y) + eps / V``, zero on
-    rows of weight 0 (padding). The blocks are small enough to stay in the L2 cache between the passes over
-    them (conversion, log-softmax, sums); the full (N, V) logits are read once per direction. For bf16 logits
-    the backward's softmax runs on bf16 in, bf16 out (fp32 inside the kernel): the gradient is bf16 anyway.
+    def __init__(self):
+        self.buf = None
+
+    def fp32(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return x
+        if self.buf is None or self.buf.size(0) < x.size(0) or self.buf.size(1) != x.size(1):
+            self.buf = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        return self.buf[: x.size(0)].copy_(x)
+
+
+def _loss_rows(logits: torch.Tensor, target: torch.Tensor, epsilon: float, lp_y: torch.Tensor,
+               lp_sum: torch.Tensor, grad: torch.Tensor | None, scratch: _Scratch) -> None:
+    """For logits (R, V), L2-cache-sized block by block: ``lp_y`` (R, 1) = log p(y), ``lp_sum`` (R, 1) =
+    sum_v log p(v) (fp32), and when ``grad`` (R, V) is given, ``grad = p - eps / V`` (the target's
+    ``- (1 - eps)`` is left to the caller)."""
+    n, vocab = logits.shape
+    for rows in _row_blocks(n, vocab):
+        lp = torch.log_softmax(scratch.fp32(logits[rows]), dim=-1)
+        torch.gather(lp, 1, target[rows, None], out=lp_y[rows])
+        if epsilon:
+            torch.sum(lp, dim=-1, keepdim=True, out=lp_sum[rows])
+        if grad is not None:
+            grad[rows] = lp.exp_().sub_(epsilon / vocab)
+
+
+def _add_at_targets(x: torch.Tensor, target: torch.Tensor, value: float) -> None:
+    """``x[i, target[i]] += value`` for every row i, in place."""
+    n, vocab = x.shape
+    offsets = torch.arange(n, device=x.device) * vocab + target
+    x.view(-1).index_add_(0, offsets, torch.full((n,), value, dtype=x.dtype, device=x.device))
+
+
+def _sums(lp_y: torch.Tensor, lp_sum: torch.Tensor, weight: torch.Tensor | None, epsilon: float,
+          vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    lp_y, lp_sum = lp_y.squeeze(1), lp_sum.squeeze(1)
+    if weight is not None:
+        lp_y, lp_sum = lp_y * weight, lp_sum * weight
+    nll_sum = -lp_y.sum()
+    if not epsilon:
+        return nll_sum.clone(), nll_sum
+    return (1.0 - epsilon) * nll_sum - (epsilon / vocab) * lp_sum.sum(), nll_sum
+
+
+class _SmoothedNLL(torch.autograd.Function):
+    """Label-smoothed cross-entropy over logits, with its gradient made in the same pass.
+
+    Per row in fp32: ``lp = log_softmax(x)`` gives ``log p(y) = lp_y`` and ``sum_v lp_v``; when the logits need a
+    gradient, ``G = softmax(x) - q = exp(lp) - q`` with the smoothed target ``q = (1 - eps) onehot(y) + eps / V``
+    is written right away (in the logits' dtype), while the block is still in cache: ``d loss / d x = G`` (times
+    the row weight, 0 on padding). Backward then only scales it by the incoming gradient. The blocks are small
+    enough to stay in the L2 cache between the passes over them (conversion, log-softmax, sums, exp); the full
+    (N, V) logits are read once and the gradient written once, with no second softmax in the backward pass.
     """
 
     @staticmethod
     def forward(ctx, logits, target, weight, epsilon: float):
         n, vocab = logits.shape
-        lp_y = torch.empty(n, 1, dtype=torch.float32, device=logits.device)  # log p(y) per row
-        lp_sum = torch.empty(n, 1, dtype=torch.float32, device=logits.device)  # sum_v log p(v) per row
-        buf = None
-        for rows in _row_blocks(n, vocab):
-            x = logits[rows]
-            if x.dtype != torch.float32:
-                if buf is None:
-                    buf = torch.empty(rows.stop - rows.start, vocab, dtype=torch.float32, device=logits.device)
-                x = buf[: rows.stop - rows.start].copy_(x)
-            lp = torch.log_softmax(x, dim=-1)
-            torch.gather(lp, 1, target[rows, None], out=lp_y[rows])
-            if epsilon:
-                torch.sum(lp, dim=-1, keepdim=True, out=lp_sum[rows])
-        lp_y, lp_sum = lp_y.squeeze(1), lp_sum.squeeze(1)
-        if weight is not None:
-            lp_y, lp_sum = lp_y * weight, lp_sum * weight
-        nll_sum = -lp_y.sum()
-        if epsilon:
-            loss = (1.0 - epsilon) * nll_sum - (epsilon / vocab) * lp_sum.sum()
-        else:
-            loss = nll_sum.clone()
-        ctx.save_for_backward(logits, target, weight)
+        lp_y = torch.empty(n, 1, dtype=torch.float32, device=logits.device)
+        lp_sum = torch.empty(n, 1, dtype=torch.float32, device=logits.device)
+        grad = torch.empty_like(logits) if ctx.needs_input_grad[0] else None  # d loss / d logits
+        _loss_rows(logits, target, epsilon, lp_y, lp_sum, grad, _Scratch())
+        if grad is not None:
+            _add_at_targets(grad, target, -(1.0 - epsilon))
+            if weight is not None:
+                grad.mul_(weight.to(grad.dtype)[:, None])
+        ctx.save_for_backward(grad, target, weight)
         ctx.epsilon = epsilon
-        return loss, nll_sum
+        return _sums(lp_y, lp_sum, weight, epsilon, vocab)
 
     @staticmethod
     def backward(ctx, grad_loss, grad_nll):
-        logits, target, weight = ctx.saved_tensors
+        grad, target, weight = ctx.saved_tensors
         eps = ctx.epsilon
-        n, vocab = logits.shape
-        # d/dx of (g_loss * loss + g_nll * nll) = (g_loss + g_nll) * p - g_loss * eps / V - ((1 - eps) g_loss + g_nll) onehot
         g_loss = float(grad_loss) if grad_loss is not None else 0.0
         g_nll = float(grad_nll) if grad_nll is not None else 0.0
-        g_p = g_loss + g_nll
-        grad = torch.empty_like(logits)
-        if g_p == 0.0:  # e.g. a batch of weight 0 that only keeps distributed ranks in step
-            grad.fill_(-g_loss * eps / vocab)
-        else:
-            shift = g_loss * eps / vocab / g_p
-            for rows in _row_blocks(n, vocab):
-                p = torch.softmax(logits[rows], dim=-1)  # (rows, V) in the logits' dtype
-                if shift:
-                    p.sub_(shift)
-                torch.mul(p, g_p, out=grad[rows])
-        hot = torch.full((n,), -((1.0 - eps) * g_loss + g_nll), dtype=grad.dtype, device=grad.device)
-        offsets = torch.arange(n, device=grad.device) * vocab
-        grad.view(-1).index_add_(0, offsets + target, hot)
-        if weight is not None:
-            grad.mul_(weight.to(grad.dtype)[:, None])
-        return grad, None, None, None
+        # d nll / dx = p - onehot = G + (q - onehot) = G + eps / V - eps onehot, hence
+        # d (g_loss loss + g_nll nll) / dx = (g_loss + g_nll) G + g_nll (eps / V - eps onehot)
+        out = grad * (g_loss + g_nll)
+        if g_nll and eps:
+            extra = torch.full_like(out, g_nll * eps / grad.size(1))
+            _add_at_targets(extra, target, -g_nll * eps)
+            if weight is not None:
+                extra.mul_(weight.to(extra.dtype)[:, None])
+            out += extra
+        return out, None, None, None
+
+
+class _ProjectedSmoothedNLL(torch.autograd.Function):
+    """The output projection ``logits = h W^T`` (paper 3.4) fused with the label-smoothed loss.
+
+    Rows go through in blocks (a whole batch at once for a 10k vocabulary; ``_PROJECTION_ELEMENTS`` bounds the
+    block's logits): the block's logits are computed, turned into loss sums and the gradient ``G = softmax - q``
+    (as in :class:`_SmoothedNLL`, in cache-sized pieces) and multiplied back, ``dh = G W``. G is kept (in the
+    compute dtype) for the weight gradient ``dW = G^T h``, made in the backward pass. Backward then scales ``dh``
+    (N x D) and ``dW`` (V x D) by the incoming gradient, not the (N x V) G, and ``dW`` is computed in the
+    layout oneDNN runs fastest. (Smaller row blocks, to keep the logits in cache, made the projection itself
+    slower: each block streams the whole weight again.) Under autocast, h and W are cast to the autocast dtype (bf16):
+    the same products a ``Linear`` would run.
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, target, epsilon: float, dtype):
+        n, _ = h.shape
+        vocab = weight.size(0)
+        hc, wc = h.to(dtype), weight.to(dtype)
+        lp_y = torch.empty(n, 1, dtype=torch.float32, device=h.device)
+        lp_sum = torch.empty(n, 1, dtype=torch.float32, device=h.device)
+        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        grad = torch.empty(n, vocab, dtype=dtype, device=h.device) if need_grad else None  # G (N, V)
+        grad_h = torch.empty_like(hc) if need_grad else None  # G W (N, D)
+        scratch = _Scratch()
+        step = max(256, _PROJECTION_ELEMENTS // vocab)
+        with torch.autocast(h.device.type, enabled=False):
+            for i in range(0, n, step):
+                rows = slice(i, min(i + step, n))
+                logits = torch.mm(hc[rows], wc.t())  # (R, V)
+                g = grad[rows] if grad is not None else None
+                _loss_rows(logits, target[rows], epsilon, lp_y[rows], lp_sum[rows], g, scratch)
+                if g is not None:
+                    _add_at_targets(g, target[rows], -(1.0 - epsilon))
+                    torch.mm(g, wc, out=grad_h[rows])
+        ctx.save_for_backward(hc, wc, grad, grad_h, target)
+        ctx.epsilon = epsilon
+        ctx.dtypes = (h.dtype, weight.dtype)
+        return _sums(lp_y, lp_sum, None, epsilon, vocab)
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_nll):
+        hc, wc, grad, grad_h, target = ctx.saved_tensors
+        eps = ctx.epsilon
+        h_dtype, w_dtype = ctx.dtypes
+        g_loss = float(grad_loss) if grad_loss is not None else 0.0
+        g_nll = float(grad_nll) if grad_nll is not None else 0.0
+        scale = g_loss + g_nll
+        d_h = d_w = None
+        with torch.autocast(hc.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                d_h = grad_h.float().mul_(scale)
+            if ctx.needs_input_grad[1]:
+                # G^T h as (h^T G)^T with h^T made contiguous: with V >> D this layout runs ~25% faster in oneDNN
+                d_w = torch.mm(hc.t().contiguous(), grad).t().float().mul_(scale)
+            if g_nll and eps:
+                # the nll's own gradient adds g_nll (q - onehot) = g_nll eps (1 / V - onehot) to the logits'
+                vocab = wc.size(0)
+                if d_h is not None:
+                    d_h += (g_nll * eps) * (wc.float().mean(0) - wc.float()[target])
+                if d_w is not None:
+                    d_w += (g_nll * eps / vocab) * hc.float().sum(0)
+                    d_w.index_add_(0, target, hc.float(), alpha=-g_nll * eps)
+        d_h = d_h.to(h_dtype) if d_h is not None else None
+        d_w = d_w.to(w_dtype).contiguous() if d_w is not None else None
+        return d_h, d_w, None, None, None
 
 
 def label_smoothed_nll_loss(lprobs: torch.Tensor, target: torch.Tensor, epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,6 +270,23 @@ def smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, pad: int,
     return _SmoothedNLL.apply(logits, target.masked_fill(~keep, 0), keep.float(), float(epsilon))
 
 
+def projected_smoothed_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                                     epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss sum, NLL sum) of the logits ``h @ weight.T`` for features ``h`` (N, D), projection ``weight`` (V, D)
+    and ``target`` (N,) (no padding rows), without materializing the (N, V) logits: see
+    :class:`_ProjectedSmoothedNLL`. Under autocast the products run in the autocast dtype."""
+    device = h.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
+    return _ProjectedSmoothedNLL.apply(h, weight, target, float(epsilon), dtype)
+
+
+def _loss(model, batch, pad: int, epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
+    kind, *outputs = _model_outputs(model, batch, pad)
+    if kind == "features":
+        return projected_smoothed_cross_entropy(*outputs, epsilon)
+    return smoothed_cross_entropy(*outputs, pad, epsilon)
+
+
 def _logging(loss: torch.Tensor, nll: torch.Tensor, batch) -> dict:
     return {
         "loss": loss.detach(),
@@ -185,8 +306,7 @@ class LabelSmoothedCrossEntropy:
         self.pad = pad
 
     def __call__(self, model, batch) -> tuple[torch.Tensor, dict]:
-        logits, target = _logits_and_target(model, batch, self.pad)
-        loss, nll = smoothed_cross_entropy(logits, target, self.pad, self.cfg.label_smoothing)
+        loss, nll = _loss(model, batch, self.pad, self.cfg.label_smoothing)
         return loss, _logging(loss, nll, batch)
 
 
@@ -199,8 +319,7 @@ class CrossEntropy:
         self.pad = pad
 
     def __call__(self, model, batch) -> tuple[torch.Tensor, dict]:
-        logits, target = _logits_and_target(model, batch, self.pad)
-        loss, _ = smoothed_cross_entropy(logits, target, self.pad, 0.0)
+        loss, _ = _loss(model, batch, self.pad, 0.0)
         return loss, _logging(loss, loss, batch)
 
 

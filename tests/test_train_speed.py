@@ -214,3 +214,44 @@ def test_math_backend_on_cpu_runs_the_plain_kernel_with_the_same_result():
             T.plain_attention = original
     assert len(calls) == 2 * 1 + 2 * 2  # encoder self-attention, decoder self- and cross-attention, 2 layers
     assert torch.allclose(out, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_projected_loss_equals_projection_then_loss_with_nll_gradient(monkeypatch, bf16):
+    """The fused projection + loss gives the reference values and gradients, also for the NLL output and over
+    several row blocks."""
+    import attnmt.criterions as C
+
+    monkeypatch.setattr(C, "_PROJECTION_ELEMENTS", 97 * 300)  # row blocks of 300 (at least 256)
+    torch.manual_seed(7)
+    h = torch.randn(700, 32, requires_grad=True)
+    w = torch.randn(97, 32, requires_grad=True)
+    t = torch.randint(2, 97, (700,))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        loss, nll = C.projected_smoothed_cross_entropy(h, w, t, 0.1)
+    (0.5 * loss + 0.25 * nll).backward()
+    gh, gw = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        logits = h @ w.t()
+    lp = torch.log_softmax(logits.double(), -1)
+    ref_nll = -lp.gather(1, t[:, None]).sum()
+    ref_loss = 0.9 * ref_nll - 0.1 / 97 * lp.sum()
+    (0.5 * ref_loss + 0.25 * ref_nll).backward()
+    assert loss.dtype == torch.float32 and gh.dtype == h.dtype and gw.dtype == w.dtype
+    assert float(loss.detach()) == pytest.approx(float(ref_loss.detach()), rel=1e-5)
+    assert float(nll.detach()) == pytest.approx(float(ref_nll.detach()), rel=1e-5)
+    tol = 2e-2 if bf16 else 1e-5
+    assert torch.allclose(gh, h.grad, atol=tol * h.grad.abs().max())
+    assert torch.allclose(gw, w.grad, atol=tol * w.grad.abs().max())
+
+
+def test_projected_loss_without_gradients_keeps_nothing_large():
+    from attnmt.criterions import projected_smoothed_cross_entropy
+
+    torch.manual_seed(8)
+    h, w, t = torch.randn(50, 16), torch.randn(40, 16), torch.randint(0, 40, (50,))
+    with torch.no_grad():
+        loss, nll = projected_smoothed_cross_entropy(h, w, t, 0.1)
+    ref, ref_nll = smoothed_cross_entropy(h @ w.t(), t, -1, 0.1)
+    assert torch.allclose(loss, ref) and torch.allclose(nll, ref_nll)
