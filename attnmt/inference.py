@@ -209,8 +209,9 @@ def load_generator(path: str | os.PathLike, search_cfg, gen_cfg):
     Sets the CPU thread count, picks the device, and applies ``--quantize int8`` (which runs on the CPU: with
     ``--device auto`` that is where the model then stays).
     """
-    from attnmt.generation.generator import Generator
+    from attnmt.generation.generator import Generator, keep_freed_memory
 
+    keep_freed_memory()
     if gen_cfg.threads:
         torch.set_num_threads(gen_cfg.threads)
     if gen_cfg.quantize == "int8":
@@ -222,6 +223,8 @@ def load_generator(path: str | os.PathLike, search_cfg, gen_cfg):
     bundle = load_for_inference(path, device)
     if gen_cfg.quantize == "int8":
         bundle.model = quantize_int8(bundle.model)
+    elif gen_cfg.bf16:
+        bundle.model = bundle.model.to(torch.bfloat16)  # once, instead of autocast casting at every step
     generator = Generator(bundle.model, bundle.symbols, search_cfg, device, bf16=gen_cfg.bf16,
                           max_source_positions=bundle.max_source_positions(),
                           truncate_source=gen_cfg.truncate_source)

@@ -9,6 +9,9 @@ is done. Output lines are formatted here too (plain text, or fairseq's ``S/T/H/D
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import gc
+import platform
 import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -97,6 +100,45 @@ class GenerationStats:
                 f"{total}")
 
 
+def keep_freed_memory() -> bool:
+    """Have glibc's malloc keep freed memory for reuse instead of handing it back to the kernel; True if applied.
+
+    A decoding step allocates and frees megabytes of temporaries (activations, logits, attention masks) and the
+    cache compactions move tens of megabytes. By default glibc serves blocks above a dynamic threshold with fresh
+    ``mmap``s and trims the top of the heap as soon as it frees, so the same memory comes back, zero-filled by page
+    faults, at every step: about a seventh of the CPU time of a bf16 beam search over the Multi30k test set went to
+    the kernel. Fixing the mmap threshold at its maximum (32 MiB) and the trim threshold at 1 GiB keeps that memory
+    in the process (the peak resident size is unchanged). Process-wide, so it is applied by the inference entry
+    points (``load_generator``), not by the library. Does nothing outside glibc.
+    """
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+    return bool(mallopt(m_mmap_threshold, 32 * 1024 * 1024)) and bool(mallopt(m_trim_threshold, 1 << 30))
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """No cyclic garbage collection during a search.
+
+    A decoder step creates a few hundred short-lived tensors; the collector, triggered by those allocations,
+    kept walking the whole heap (the model's modules included) for about a twentieth of the search time. The
+    search creates no reference cycles, so nothing is left for the collector when it resumes.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 class Generator:
     """Runs a model's search over id sequences; see the module docstring."""
 
@@ -112,7 +154,9 @@ class Generator:
         self.stats = GenerationStats()
 
     def _autocast(self):
-        if not self.bf16:
+        """bf16 autocast for a float32 model (e.g. validation during training); a model already cast to bfloat16
+        for inference (``load_generator``) runs as it is."""
+        if not self.bf16 or next(self.model.parameters()).dtype == torch.bfloat16:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
 
@@ -129,7 +173,7 @@ class Generator:
         """Hypotheses for one batch of sources (each a list of ids with its final EOS), in the given order."""
         tokens, lengths = collate(sources, self.symbols.pad, self.device)
         sample_ids = torch.as_tensor(list(ids), dtype=torch.long, device=self.device)
-        with torch.inference_mode(), self._autocast():
+        with torch.inference_mode(), self._autocast(), _gc_paused():
             return search(self.model, tokens, lengths, self.search_cfg, self.symbols, sample_ids)
 
     def generate(self, sources: Sequence[Sequence[int]], max_tokens: int | None = 4096, batch_size: int | None = None,

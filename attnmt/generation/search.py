@@ -246,18 +246,49 @@ def row_topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return top, cols.gather(1, j)
 
 
-def best_extensions(lprobs: Tensor, scores: Tensor, beam: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+SCORE_BLOCK_ROWS = 256  # rows projected to the vocabulary at a time (see next_token_candidates)
+
+
+def next_token_candidates(model, tokens: Tensor, step: int, enc, cache, max_len: Tensor, cfg: SearchConfig,
+                          sym: Symbols, k: int) -> tuple[Tensor, Tensor]:
+    """Decode one step and return each row's ``k`` best next tokens under the search's rules, (R, k) log-probs
+    (sorted, best first) and (R, k) token ids.
+
+    ``tokens`` (R, T): column ``step`` holds each row's newest token; ``max_len`` (R,): per-row limits. A model
+    with ``decode_features``/``output_layer`` is projected to the vocabulary ``SCORE_BLOCK_ROWS`` rows at a time:
+    a batch of 400 sentences x beam 4 would otherwise build 60 MB logits and as much float32 log-probabilities per
+    step, memory that the allocator maps afresh (and the kernel zeroes) at every step; small blocks are reused
+    and stay in cache. Each row's numbers are the same either way.
+    """
+    prev = tokens[:, step:step + 1]
+    if not hasattr(model, "output_layer"):
+        logits = model.decode(prev, enc, cache)[:, -1]
+        lprobs = step_log_probs(logits, step, max_len, tokens[:, 1:step + 1], cfg, sym)
+        return row_topk(lprobs, min(k, lprobs.size(1)))
+    feats = model.decode_features(prev, enc, cache)[:, -1]  # (R, D)
+    blocks = []
+    for a in range(0, feats.size(0), SCORE_BLOCK_ROWS):
+        b = a + SCORE_BLOCK_ROWS
+        lprobs = step_log_probs(model.output_layer(feats[a:b]), step, max_len[a:b], tokens[a:b, 1:step + 1], cfg,
+                                sym)
+        blocks.append(row_topk(lprobs, min(k, lprobs.size(1))))
+    if len(blocks) == 1:
+        return blocks[0]
+    return torch.cat([v for v, _ in blocks]), torch.cat([i for _, i in blocks])
+
+
+def best_extensions(row_lp: Tensor, row_tok: Tensor, scores: Tensor, beam: int) -> tuple[Tensor, Tensor, Tensor,
+                                                                                          Tensor]:
     """The best ``2 * beam`` one-token extensions per sentence, best first.
 
-    ``lprobs`` (A * beam, V): next-token log-probabilities of each sentence's ``beam`` hypotheses (consecutive
-    rows); ``scores`` (A * beam,): their cumulative log-probabilities. Returns, each (A, C) with
-    ``C = min(2 * beam, beam * V)``: the extended cumulative scores, the new token's log-probability, the
-    hypothesis extended (0..beam-1) and the token. The best ``2 * beam`` of a sentence are among the best
-    ``2 * beam`` of each of its rows (a row's candidates all shift by the row's score), so only those are merged.
+    ``row_lp``, ``row_tok`` (A * beam, k): each hypothesis' ``k = min(2 * beam, V)`` best next tokens and their
+    log-probabilities (``next_token_candidates``; a sentence's ``beam`` hypotheses are consecutive rows);
+    ``scores`` (A * beam,): their cumulative log-probabilities. Returns, each (A, C) with ``C = min(2 * beam,
+    beam * k)``: the extended cumulative scores, the new token's log-probability, the hypothesis extended
+    (0..beam-1) and the token. The best ``2 * beam`` extensions of a sentence are among the best ``2 * beam`` of
+    each of its hypotheses (a hypothesis' extensions all shift by its score), so only those are merged.
     """
-    R, V = lprobs.shape
-    k = min(2 * beam, V)
-    row_lp, row_tok = row_topk(lprobs, k)  # (R, k)
+    R, k = row_lp.shape
     A = R // beam
     cand = (scores.view(-1, 1) + row_lp).view(A, beam * k)
     top_s, j = cand.topk(min(2 * beam, beam * k), dim=1)
@@ -365,9 +396,9 @@ def beam_search(model: IncrementalModel, src_tokens: Tensor, src_lengths: Tensor
     A = B
     arange_a = torch.arange(A, device=dev)
     for step in range(T - 1):
-        logits = model.decode(tokens[:, step:step + 1], enc, cache)[:, -1]
-        lprobs = step_log_probs(logits, step, max_len.repeat_interleave(K), tokens[:, 1:step + 1], cfg, sym)
-        top_s, top_lp, beam_i, tok = best_extensions(lprobs, scores.view(-1), K)  # (A, C) each
+        row_lp, row_tok = next_token_candidates(model, tokens, step, enc, cache, max_len.repeat_interleave(K), cfg,
+                                                sym, 2 * K)
+        top_s, top_lp, beam_i, tok = best_extensions(row_lp, row_tok, scores.view(-1), K)  # (A, C) each
         is_eos = tok == sym.eos
         fin = is_eos & (top_s > NEG_INF)
         if bool(fin.any()):
@@ -423,9 +454,8 @@ def greedy_search(model: IncrementalModel, src_tokens: Tensor, src_lengths: Tens
     finished = _Finished(B, 1)
     bonus = max(0.0, -cfg.unkpen)
     for step in range(T - 1):
-        logits = model.decode(tokens[:, step:step + 1], enc, cache)[:, -1]
-        lprobs = step_log_probs(logits, step, max_len, tokens[:, 1:step + 1], cfg, sym)
-        top_s, top_lp, _, top_i = best_extensions(lprobs, scores, 1)  # the same arithmetic as beam search
+        row_lp, row_tok = next_token_candidates(model, tokens, step, enc, cache, max_len, cfg, sym, 2)
+        top_s, top_lp, _, top_i = best_extensions(row_lp, row_tok, scores, 1)  # the same arithmetic as beam search
         is_eos = top_i == sym.eos
         fin = is_eos & (top_s > NEG_INF)
         if bool(fin.any()):

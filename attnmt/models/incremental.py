@@ -94,14 +94,24 @@ class LayerCache:
             new_v[:, :, :c.length * K] = self.v[:, :, :c.length * K]
         self.k, self.v = new_k, new_v
 
-    def select(self, sentences: Tensor, filled: int) -> None:
-        """Keep the buffered sentences ``sentences`` (in that order, repeats allowed); copy only ``filled`` slots."""
+    def select(self, sentences: Tensor, filled: int, increasing: bool) -> None:
+        """Keep the buffered sentences ``sentences`` (in that order, repeats allowed); copy only ``filled`` slots.
+
+        ``increasing`` (sentences only leave): the kept ones move to the front of the same buffers, which keep
+        their memory (the slots past ``filled`` hold stale but finite values, which no live row attends to).
+        """
         if self.k is not None:
-            k, v = self.k, self.v
-            self.k = k.new_zeros((sentences.numel(),) + k.shape[1:])
-            self.v = v.new_zeros((sentences.numel(),) + v.shape[1:])
-            torch.index_select(k[:, :, :filled], 0, sentences, out=self.k[:, :, :filled])
-            torch.index_select(v[:, :, :filled], 0, sentences, out=self.v[:, :, :filled])
+            if increasing:
+                n = sentences.numel()
+                self.k[:n, :, :filled] = self.k[sentences, :, :filled]
+                self.v[:n, :, :filled] = self.v[sentences, :, :filled]
+                self.k, self.v = self.k[:n], self.v[:n]
+            else:
+                k, v = self.k, self.v
+                self.k = k.new_zeros((sentences.numel(),) + k.shape[1:])
+                self.v = v.new_zeros((sentences.numel(),) + v.shape[1:])
+                torch.index_select(k[:, :, :filled], 0, sentences, out=self.k[:, :, :filled])
+                torch.index_select(v[:, :, :filled], 0, sentences, out=self.v[:, :, :filled])
         if self.cross_k is not None:
             self.cross_k = self.cross_k.index_select(0, sentences)
             self.cross_v = self.cross_v.index_select(0, sentences)
@@ -208,7 +218,7 @@ class DecoderCache:
             self.live = None if n == self.buffered else keep
             return None
         for lc in self.layers:
-            lc.select(keep, self.length * self.beam)
+            lc.select(keep, self.length * self.beam, increasing)
         self.live = None
         self.buffered = n
         self.memory_mask_ready = False

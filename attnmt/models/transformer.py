@@ -517,8 +517,9 @@ class TransformerDecoder(nn.Module):
         self.output_projection = output_projection
 
     def forward(self, prev_output_tokens: Tensor, enc: EncoderOut, cache: DecoderCache | None = None,
-                output_mask: Tensor | None = None) -> Tensor:
-        """Logits (B, T, V), or (N, V) for the N positions where ``output_mask`` (B, T) is True."""
+                output_mask: Tensor | None = None, features_only: bool = False) -> Tensor:
+        """Logits (B, T, V), or (N, V) for the N positions where ``output_mask`` (B, T) is True; with
+        ``features_only``, the last layer's output (B, T, D) before the output projection."""
         start = 0 if cache is None else cache.length
         x = self.embed(prev_output_tokens, start)  # (B, T, D)
         if cache is None:
@@ -535,6 +536,8 @@ class TransformerDecoder(nn.Module):
             cache.length += prev_output_tokens.size(1)
         if self.final_norm is not None:
             x = self.final_norm(x)
+        if features_only:
+            return x
         if output_mask is not None:  # (N, D): padding positions never reach the (large) output projection
             x = x.reshape(-1, x.size(-1))
             if not bool(output_mask.all()):
@@ -629,6 +632,18 @@ class TransformerModel(nn.Module):
         and reused.
         """
         return self.decoder(prev_output_tokens, enc, cache)
+
+    def decode_features(self, prev_output_tokens: Tensor, enc: EncoderOut, cache: DecoderCache | None = None) -> Tensor:
+        """``decode`` without the output projection: the decoder's output (B, T, D); ``output_layer`` finishes it.
+
+        Beam search projects the features a block of rows at a time, so that the (rows x vocabulary) logits and
+        log-probabilities stay small enough to be reused from the allocator instead of freshly mapped each step.
+        """
+        return self.decoder(prev_output_tokens, enc, cache, features_only=True)
+
+    def output_layer(self, features: Tensor) -> Tensor:
+        """Logits (..., V) of decoder features (..., D): the pre-softmax projection (3.4)."""
+        return self.decoder.output_projection(features)
 
     def decode_with_cross_attention(self, prev_output_tokens: Tensor, enc: EncoderOut) -> tuple[Tensor, Tensor]:
         """Teacher-forced logits (B, T, V) and encoder-decoder attention weights (B, L, H, T, S).
