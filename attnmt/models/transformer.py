@@ -519,7 +519,7 @@ class TransformerDecoder(nn.Module):
     def forward(self, prev_output_tokens: Tensor, enc: EncoderOut, cache: DecoderCache | None = None,
                 output_mask: Tensor | None = None, features_only: bool = False) -> Tensor:
         """Logits (B, T, V), or (N, V) for the N positions where ``output_mask`` (B, T) is True; with
-        ``features_only``, the last layer's output (B, T, D) before the output projection."""
+        ``features_only``, the last layer's output (B, T, D) or (N, D) before the output projection."""
         start = 0 if cache is None else cache.length
         x = self.embed(prev_output_tokens, start)  # (B, T, D)
         if cache is None:
@@ -536,12 +536,12 @@ class TransformerDecoder(nn.Module):
             cache.length += prev_output_tokens.size(1)
         if self.final_norm is not None:
             x = self.final_norm(x)
-        if features_only:
-            return x
         if output_mask is not None:  # (N, D): padding positions never reach the (large) output projection
             x = x.reshape(-1, x.size(-1))
             if not bool(output_mask.all()):
                 x = x.index_select(0, output_mask.reshape(-1).nonzero().squeeze(1))  # = x[output_mask], faster
+        if features_only:
+            return x
         return self.output_projection(x)  # (B, T, V) or (N, V)
 
     def forward_with_cross_attention(self, prev_output_tokens: Tensor, enc: EncoderOut) -> tuple[Tensor, Tensor]:
@@ -605,15 +605,21 @@ class TransformerModel(nn.Module):
         return cls(cfg, src_vocab, tgt_vocab, pad_idx, joint_vocab=joint_vocab)
 
     def forward(self, src_tokens: Tensor, src_lengths: Tensor, prev_output_tokens: Tensor,
-                output_mask: Tensor | None = None) -> Tensor:
+                output_mask: Tensor | None = None, features_only: bool = False) -> Tensor:
         """Teacher-forced logits (B, T, V) for right-padded ``src_tokens`` (B, S) and ``prev_output_tokens`` (B, T).
 
         With ``output_mask`` (B, T) bool: logits (N, V) of only the N positions where it is True, in row-major
         order (``logits_full[output_mask]``). Training passes the non-padding target positions: the projection to
         the vocabulary and the loss are the largest per-token costs, and padding rows would be computed for
-        nothing.
+        nothing. With ``features_only``: the decoder's output before the projection, (B, T, D) or (N, D); the
+        training criterion then fuses the projection (``output_projection_weight``) with the loss.
         """
-        return self.decoder(prev_output_tokens, self.encode(src_tokens, src_lengths), output_mask=output_mask)
+        return self.decoder(prev_output_tokens, self.encode(src_tokens, src_lengths), output_mask=output_mask,
+                            features_only=features_only)
+
+    def output_projection_weight(self) -> Tensor:
+        """The (V, D) weight of the pre-softmax projection (3.4; no bias), tied to the embeddings when shared."""
+        return self.decoder.output_projection.weight
 
     def encode(self, src_tokens: Tensor, src_lengths: Tensor) -> EncoderOut:
         """Encoder output (B, S, D) and padding mask (B, S).
