@@ -225,7 +225,8 @@ class _ProjectedSmoothedNLL(torch.autograd.Function):
                 d_h = grad_h.float().mul_(scale)
             if ctx.needs_input_grad[1]:
                 # G^T h as (h^T G)^T with h^T made contiguous: with V >> D this layout runs ~25% faster in oneDNN
-                d_w = torch.mm(hc.t().contiguous(), grad).t().float().mul_(scale)
+                d_w = torch.empty(wc.shape, dtype=torch.float32, device=wc.device)
+                d_w.copy_(torch.mm(hc.t().contiguous(), grad).t()).mul_(scale)
             if g_nll and eps:
                 # the nll's own gradient adds g_nll (q - onehot) = g_nll eps (1 / V - onehot) to the logits'
                 vocab = wc.size(0)
@@ -235,7 +236,7 @@ class _ProjectedSmoothedNLL(torch.autograd.Function):
                     d_w += (g_nll * eps / vocab) * hc.float().sum(0)
                     d_w.index_add_(0, target, hc.float(), alpha=-g_nll * eps)
         d_h = d_h.to(h_dtype) if d_h is not None else None
-        d_w = d_w.to(w_dtype).contiguous() if d_w is not None else None
+        d_w = d_w.to(w_dtype) if d_w is not None else None
         return d_h, d_w, None, None, None
 
 
