@@ -329,7 +329,6 @@ def test_out_of_memory_on_one_rank_stops_both_ranks_without_a_hang(tmp_path):
 # ---------------------------------------------------------------------------------------------------- 2 processes
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("update_freq, launch", [(1, "two nodes"), (2, "one node")])
 def test_two_processes_equal_one_process_with_twice_the_update_freq(tmp_path, update_freq, launch, capsys):
     """2 processes x update-freq U == 1 process x update-freq 2U after K updates (dropout off, fp32).
@@ -373,7 +372,6 @@ def test_two_processes_equal_one_process_with_twice_the_update_freq(tmp_path, up
                 assert x[key] == pytest.approx(y[key], rel=1e-5), (kind, key)
 
 
-@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_the_relaunch_ends_where_an_uninterrupted_run_does(tmp_path):
     """--nproc-per-node 2 (torchrun in-process): SIGTERM to the launcher mid-epoch -> status 75 and a loadable
     checkpoint holding each rank's RNG state; the same command again resumes and ends with bitwise the same
@@ -426,7 +424,6 @@ def _start_long_run(tmp_path: Path, timeout_s: float) -> tuple[subprocess.Popen,
     return proc, save, workers
 
 
-@pytest.mark.slow
 def test_a_dead_peer_ends_the_job_with_an_error_naming_it(tmp_path):
     proc, save, workers = _start_long_run(tmp_path, timeout_s=30)
     try:
