@@ -255,3 +255,40 @@ def test_projected_loss_without_gradients_keeps_nothing_large():
         loss, nll = projected_smoothed_cross_entropy(h, w, t, 0.1)
     ref, ref_nll = smoothed_cross_entropy(h @ w.t(), t, -1, 0.1)
     assert torch.allclose(loss, ref) and torch.allclose(nll, ref_nll)
+
+
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_linear_is_bitwise_nn_linear_under_bf16_autocast(relu, bias):
+    from attnmt.models import linear as L
+
+    if not L._AVAILABLE:
+        pytest.skip("this torch has no oneDNN inner product")
+    torch.manual_seed(9)
+    layer = torch.nn.Linear(16, 24, bias=bias)
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    g = torch.randn(3, 5, 24)
+    outs, grads = [], []
+    for fused in (True, False):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = L.apply_linear(layer, x, relu) if fused else layer(x)
+            y = y if fused or not relu else torch.relu(y)
+        y.float().backward(g)
+        outs.append(y)
+        grads.append([t.grad.clone() for t in (x, layer.weight, layer.bias) if t is not None])
+        for t in (x, layer.weight, layer.bias):
+            if t is not None:
+                t.grad = None
+    assert outs[0].dtype == torch.bfloat16 and torch.equal(outs[0], outs[1])
+    for a, b in zip(*grads):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_linear_outside_bf16_training_calls_the_module():
+    from attnmt.models.linear import apply_linear
+
+    layer = torch.nn.Linear(4, 3)
+    x = torch.randn(2, 4)
+    assert torch.equal(apply_linear(layer, x, relu=True), torch.relu(layer(x)))  # fp32
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(apply_linear(layer, x), layer(x))  # no gradients recorded

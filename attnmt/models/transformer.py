@@ -36,6 +36,7 @@ from attnmt.errors import UserError
 from attnmt.models.dropout import Dropout
 from attnmt.models.dropout import dropout as dropout_weights
 from attnmt.models.incremental import DecoderCache, LayerCache
+from attnmt.models.linear import apply_linear
 from attnmt.registry import register, register_arch
 
 # ------------------------------------------------------------------------------------------------ config
@@ -296,21 +297,21 @@ class MultiHeadAttention(nn.Module):
 
     def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Self-attention: Q, K, V from the same (B, T, D) input, each (B, H, T, Dh)."""
-        q, k, v = self.qkv_proj(x).chunk(3, dim=-1)  # 3 x (B, T, D)
+        q, k, v = apply_linear(self.qkv_proj, x).chunk(3, dim=-1)  # 3 x (B, T, D)
         return self._split_heads(q), self._split_heads(k), self._split_heads(v)
 
     def project_q(self, x: Tensor) -> Tensor:
-        return self._split_heads(self.q_proj(x))  # (B, H, T, Dh)
+        return self._split_heads(apply_linear(self.q_proj, x))  # (B, H, T, Dh)
 
     def project_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
         """Encoder-decoder attention: K, V from the encoder output (B, S, D_enc), each (B, H, S, Dh)."""
-        k, v = self.kv_proj(memory).chunk(2, dim=-1)
+        k, v = apply_linear(self.kv_proj, memory).chunk(2, dim=-1)
         return self._split_heads(k).contiguous(), self._split_heads(v).contiguous()
 
     def combine_heads(self, out: Tensor) -> Tensor:
         """Concat(head_1..head_h) W^O: (B, H, T, Dh) -> (B, T, D)."""
         B, H, T, Dh = out.shape
-        return self.out_proj(out.transpose(1, 2).reshape(B, T, H * Dh))
+        return apply_linear(self.out_proj, out.transpose(1, 2).reshape(B, T, H * Dh))
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
         """Concat(head_1..head_h) W^O with head_i = Attention(Q_i, K_i, V_i). Returns (B, T, D)."""
@@ -379,7 +380,8 @@ class FeedForward(nn.Module):
         self.activation_dropout = Dropout(activation_dropout)
 
     def forward(self, x: Tensor) -> Tensor:  # (B, T, D)
-        return self.fc2(self.activation_dropout(F.relu(self.fc1(x))))  # (B, T, D)
+        hidden = apply_linear(self.fc1, x, relu=True)  # bias and ReLU fused on CPU training (models/linear.py)
+        return apply_linear(self.fc2, self.activation_dropout(hidden))  # (B, T, D)
 
 
 # ------------------------------------------------------------- 5.4 residual dropout around each sub-layer
