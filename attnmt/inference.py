@@ -187,6 +187,49 @@ def check_data_dir(bundle: InferenceBundle, data_bin: str | os.PathLike) -> None
                             f"translate raw text with --input")
 
 
+class PackedLinear(nn.Module):
+    """An ``nn.Linear`` for bf16 inference on the CPU with its weight reordered once into oneDNN's blocked layout.
+
+    ``nn.Linear`` repacks its weight for every product; a decoding step is dozens of small products (a few
+    hundred rows), for which that packing is a large share: with the weight packed once, oneDNN's inner product
+    (``torch.ops.mkldnn._linear_pointwise``, what PyTorch's compiler emits for CPU linear layers) was 10-45%
+    faster on the decoder's shapes, with bitwise the same results. ``weight`` and ``bias`` stay as they were.
+    """
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.packed.dtype:
+            return nn.functional.linear(x, self.weight, self.bias)
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed, self.bias, "none", [],
+                                               "")
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace every ``nn.Linear`` of a bf16 CPU model by a :class:`PackedLinear` (in place); returns how many.
+
+    Nothing is replaced where oneDNN or its bf16 support is missing, or for a model that is not bf16 on the CPU.
+    """
+    p = next(model.parameters())
+    try:
+        ok = (p.device.type == "cpu" and p.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+              and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        ok = False
+    if not ok:
+        return 0
+    targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+               if type(child) is nn.Linear]
+    for parent, name, child in targets:
+        setattr(parent, name, PackedLinear(child))
+    return len(targets)
+
+
 def quantize_int8(model: nn.Module) -> nn.Module:
     """Dynamic int8 quantization of every ``nn.Linear``: int8 weights with one scale per output row (per-channel,
     more accurate than one scale per matrix at the same speed), activations quantized on the fly; CPU only.
@@ -225,6 +268,7 @@ def load_generator(path: str | os.PathLike, search_cfg, gen_cfg):
         bundle.model = quantize_int8(bundle.model)
     elif gen_cfg.bf16:
         bundle.model = bundle.model.to(torch.bfloat16)  # once, instead of autocast casting at every step
+        pack_linears(bundle.model)
     generator = Generator(bundle.model, bundle.symbols, search_cfg, device, bf16=gen_cfg.bf16,
                           max_source_positions=bundle.max_source_positions(),
                           truncate_source=gen_cfg.truncate_source)

@@ -189,14 +189,20 @@ def _block_ngram_repeats(lprobs: Tensor, generated: Tensor, n: int) -> None:
 
 
 def step_log_probs(logits: Tensor, step: int, max_len: Tensor, generated: Tensor, cfg: SearchConfig,
-                   sym: Symbols) -> Tensor:
+                   sym: Symbols, keep_bf16: bool = False) -> Tensor:
     """Log-probabilities of the next token under the search's rules.
 
     ``logits``: (R, V) for the token at position ``step`` (0-based count of tokens generated so far);
     ``max_len``: (R,) per-row limits; ``generated``: (R, step) the tokens so far. Padding (and BOS) never appear,
     ``--unkpen`` is subtracted from the unknown word, EOS is barred before ``--min-len`` and forced at ``max_len``.
+    The result is float32, or with ``keep_bf16`` and bf16 logits, bf16: the softmax is computed in float32 either
+    way, and rounding its result to bf16 (relative error 2^-9) halves the cost of this step, the costliest after
+    the output projection, while the logits of a bf16 model carry larger errors already.
     """
-    lprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    if keep_bf16 and logits.dtype == torch.bfloat16:
+        lprobs = torch.log_softmax(logits, dim=-1)
+    else:
+        lprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
     lprobs[:, sym.pad] = NEG_INF
     if sym.bos is not None and sym.bos != sym.eos:
         lprobs[:, sym.bos] = NEG_INF
@@ -217,82 +223,77 @@ def step_log_probs(logits: Tensor, step: int, max_len: Tensor, generated: Tensor
 
 # --------------------------------------------------------------------------------------- candidate selection
 
-TOPK_CHUNK = 64  # row_topk's block size: the vocabulary is scanned as blocks of this many tokens
+TOPK_BLOCK = 64  # best_extensions scans the vocabulary as blocks of this many tokens
+SCORE_BLOCK_ROWS = 256  # rows projected to the vocabulary at a time (see next_token_extensions)
 
 
-def row_topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """The ``k`` largest values of each row of ``x`` (R, V) and their column indices, sorted, like ``x.topk(k)``.
+def best_extensions(lprobs: Tensor, scores: Tensor, beam: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The best ``C = min(2 * beam, beam * V)`` one-token extensions of each sentence's hypotheses, best first.
 
-    ``torch.topk`` over a 10k-token vocabulary costs several times a max reduction over the same row, and it is
-    the costliest step of a beam search after the output projection. So the row is cut into blocks of
-    ``TOPK_CHUNK`` tokens: the top ``k`` values lie in the ``k`` blocks with the largest maxima (a block holding one
-    of them has a maximum at least the k-th value; fewer than ``k`` blocks exceed it), so one max reduction over
-    the row and a top-k over ``k * TOPK_CHUNK`` values give the same values. Among equal values the chosen
-    indices may differ from ``torch.topk``'s; each row is handled on its own, so batching never matters.
+    ``lprobs`` (A * beam, V): next-token log-probabilities of each sentence's ``beam`` hypotheses (consecutive
+    rows); ``scores`` (A * beam,): their cumulative log-probabilities. Returns, each (A, C): the extended
+    cumulative scores (float32), the new token's log-probability (float32), the hypothesis extended
+    (0..beam-1) and the token; the same as a top-C over the (A, beam * V) sums, without forming them.
+
+    ``torch.topk`` over a 10k vocabulary costs several times a max reduction over it, so each row is cut into
+    blocks of ``TOPK_BLOCK`` tokens. A block's candidates score at most its hypothesis' score plus the block's
+    best log-probability; the C best extensions of a sentence lie in its C blocks with the highest such bound
+    (each of those holds a candidate at least as good as anything in an unselected block), so one max reduction
+    over the rows, a top-C over the blocks and a top-C over the ``C * TOPK_BLOCK`` candidates they hold give the
+    same values. Among equal values the indices chosen may differ from a plain top-k; a sentence's result
+    depends on its own rows only.
     """
-    R, V = x.shape
-    c = TOPK_CHUNK
+    R, V = lprobs.shape
+    A, c = R // beam, TOPK_BLOCK
+    C = min(2 * beam, beam * V)
     n = V // c
-    if n <= 2 * k:
-        return x.topk(k, dim=1)
-    blocks = x[:, : n * c].view(R, n, c)
-    best = blocks.amax(dim=2).topk(k, dim=1).indices  # (R, k) the blocks holding the top k
-    vals = blocks.gather(1, best[:, :, None].expand(R, k, c)).view(R, k * c)
-    cols = (best[:, :, None] * c + torch.arange(c, device=x.device)).view(R, k * c)
-    if n * c < V:  # the last, partial block: always a candidate
-        vals = torch.cat([vals, x[:, n * c:]], dim=1)
-        cols = torch.cat([cols, torch.arange(n * c, V, device=x.device).expand(R, V - n * c)], dim=1)
-    top, j = vals.topk(k, dim=1)
-    return top, cols.gather(1, j)
+    dev = lprobs.device
+    first_row = (torch.arange(A, device=dev) * beam)[:, None]  # (A, 1)
+    if n <= C:  # a short vocabulary: one top-k over all extensions
+        top_s, j = (scores.view(-1, 1) + lprobs.float()).view(A, beam * V).topk(C, dim=1)
+        return top_s, lprobs.reshape(A, beam * V).gather(1, j).float(), j // V, j % V
+    bound = lprobs[:, : n * c].unflatten(1, (n, c)).amax(dim=2).float() + scores.view(-1, 1)  # (R, n)
+    blocks = bound.view(A, beam * n).topk(C, dim=1).indices  # (A, C): hypothesis * n + block
+    start = (first_row + blocks // n) * V + (blocks % n) * c  # (A, C) offset of each block in lprobs
+    offsets = (start[:, :, None] + torch.arange(c, device=dev)).view(A, C * c)
+    if n * c < V:  # the last, shorter block: its tokens are always candidates
+        tail = (torch.arange(R, device=dev) * V)[:, None] + torch.arange(n * c, V, device=dev)  # (R, V - n c)
+        offsets = torch.cat([offsets, tail.view(A, -1)], dim=1)
+    flat = lprobs.reshape(-1)
+    cand_lp = flat.take(offsets).float()
+    cand = cand_lp + scores.view(-1).take(offsets // V)
+    top_s, j = cand.topk(C, dim=1)
+    off = offsets.gather(1, j)
+    return top_s, cand_lp.gather(1, j), off // V - first_row, off % V
 
 
-SCORE_BLOCK_ROWS = 256  # rows projected to the vocabulary at a time (see next_token_candidates)
+def next_token_extensions(model, tokens: Tensor, step: int, enc, cache, max_len: Tensor, scores: Tensor,
+                          beam: int, cfg: SearchConfig, sym: Symbols) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Decode one step and return ``best_extensions`` of every sentence under the search's rules.
 
-
-def next_token_candidates(model, tokens: Tensor, step: int, enc, cache, max_len: Tensor, cfg: SearchConfig,
-                          sym: Symbols, k: int) -> tuple[Tensor, Tensor]:
-    """Decode one step and return each row's ``k`` best next tokens under the search's rules, (R, k) log-probs
-    (sorted, best first) and (R, k) token ids.
-
-    ``tokens`` (R, T): column ``step`` holds each row's newest token; ``max_len`` (R,): per-row limits. A model
-    with ``decode_features``/``output_layer`` is projected to the vocabulary ``SCORE_BLOCK_ROWS`` rows at a time:
-    a batch of 400 sentences x beam 4 would otherwise build 60 MB logits and as much float32 log-probabilities per
-    step, memory that the allocator maps afresh (and the kernel zeroes) at every step; small blocks are reused
-    and stay in cache. Each row's numbers are the same either way.
+    ``tokens`` (R, T): column ``step`` holds each row's newest token; ``max_len`` (R,): per-row limits; ``scores``
+    (R,): cumulative log-probabilities; ``beam`` consecutive rows per sentence. A model with
+    ``decode_features``/``output_layer`` is projected to the vocabulary about ``SCORE_BLOCK_ROWS`` rows (whole
+    sentences) at a time: 400 sentences x beam 4 would otherwise build 60 MB of logits and as much of
+    log-probabilities per step, memory that is mapped afresh and zeroed by the kernel at every step; small
+    blocks are reused and stay in cache. Each sentence's numbers are the same either way.
     """
     prev = tokens[:, step:step + 1]
     if not hasattr(model, "output_layer"):
         logits = model.decode(prev, enc, cache)[:, -1]
-        lprobs = step_log_probs(logits, step, max_len, tokens[:, 1:step + 1], cfg, sym)
-        return row_topk(lprobs, min(k, lprobs.size(1)))
+        lprobs = step_log_probs(logits, step, max_len, tokens[:, 1:step + 1], cfg, sym, keep_bf16=True)
+        return best_extensions(lprobs, scores, beam)
     feats = model.decode_features(prev, enc, cache)[:, -1]  # (R, D)
-    blocks = []
-    for a in range(0, feats.size(0), SCORE_BLOCK_ROWS):
-        b = a + SCORE_BLOCK_ROWS
+    rows = max(1, SCORE_BLOCK_ROWS // beam) * beam
+    parts = []
+    for a in range(0, feats.size(0), rows):
+        b = a + rows
         lprobs = step_log_probs(model.output_layer(feats[a:b]), step, max_len[a:b], tokens[a:b, 1:step + 1], cfg,
-                                sym)
-        blocks.append(row_topk(lprobs, min(k, lprobs.size(1))))
-    if len(blocks) == 1:
-        return blocks[0]
-    return torch.cat([v for v, _ in blocks]), torch.cat([i for _, i in blocks])
-
-
-def best_extensions(row_lp: Tensor, row_tok: Tensor, scores: Tensor, beam: int) -> tuple[Tensor, Tensor, Tensor,
-                                                                                          Tensor]:
-    """The best ``2 * beam`` one-token extensions per sentence, best first.
-
-    ``row_lp``, ``row_tok`` (A * beam, k): each hypothesis' ``k = min(2 * beam, V)`` best next tokens and their
-    log-probabilities (``next_token_candidates``; a sentence's ``beam`` hypotheses are consecutive rows);
-    ``scores`` (A * beam,): their cumulative log-probabilities. Returns, each (A, C) with ``C = min(2 * beam,
-    beam * k)``: the extended cumulative scores, the new token's log-probability, the hypothesis extended
-    (0..beam-1) and the token. The best ``2 * beam`` extensions of a sentence are among the best ``2 * beam`` of
-    each of its hypotheses (a hypothesis' extensions all shift by its score), so only those are merged.
-    """
-    R, k = row_lp.shape
-    A = R // beam
-    cand = (scores.view(-1, 1) + row_lp).view(A, beam * k)
-    top_s, j = cand.topk(min(2 * beam, beam * k), dim=1)
-    return top_s, row_lp.view(A, beam * k).gather(1, j), j // k, row_tok.view(A, beam * k).gather(1, j)
+                                sym, keep_bf16=True)
+        parts.append(best_extensions(lprobs, scores[a:b], beam))
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(torch.cat(p) for p in zip(*parts))
 
 
 # ------------------------------------------------------------------------------------------------ bookkeeping
@@ -396,9 +397,8 @@ def beam_search(model: IncrementalModel, src_tokens: Tensor, src_lengths: Tensor
     A = B
     arange_a = torch.arange(A, device=dev)
     for step in range(T - 1):
-        row_lp, row_tok = next_token_candidates(model, tokens, step, enc, cache, max_len.repeat_interleave(K), cfg,
-                                                sym, 2 * K)
-        top_s, top_lp, beam_i, tok = best_extensions(row_lp, row_tok, scores.view(-1), K)  # (A, C) each
+        top_s, top_lp, beam_i, tok = next_token_extensions(model, tokens, step, enc, cache, max_len.repeat_interleave(K),
+                                                           scores.view(-1), K, cfg, sym)  # (A, C) each
         is_eos = tok == sym.eos
         fin = is_eos & (top_s > NEG_INF)
         if bool(fin.any()):
@@ -454,8 +454,8 @@ def greedy_search(model: IncrementalModel, src_tokens: Tensor, src_lengths: Tens
     finished = _Finished(B, 1)
     bonus = max(0.0, -cfg.unkpen)
     for step in range(T - 1):
-        row_lp, row_tok = next_token_candidates(model, tokens, step, enc, cache, max_len, cfg, sym, 2)
-        top_s, top_lp, _, top_i = best_extensions(row_lp, row_tok, scores, 1)  # the same arithmetic as beam search
+        # the same arithmetic as beam search with one beam
+        top_s, top_lp, _, top_i = next_token_extensions(model, tokens, step, enc, cache, max_len, scores, 1, cfg, sym)
         is_eos = top_i == sym.eos
         fin = is_eos & (top_s > NEG_INF)
         if bool(fin.any()):
