@@ -259,7 +259,7 @@ def test_projected_loss_without_gradients_keeps_nothing_large():
 
 @pytest.mark.parametrize("relu", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-def test_fused_linear_is_bitwise_nn_linear_under_bf16_autocast(relu, bias):
+def test_fused_linear_equals_nn_linear_under_bf16_autocast(relu, bias):
     from attnmt.models import linear as L
 
     if not L._AVAILABLE:
@@ -280,8 +280,8 @@ def test_fused_linear_is_bitwise_nn_linear_under_bf16_autocast(relu, bias):
             if t is not None:
                 t.grad = None
     assert outs[0].dtype == torch.bfloat16 and torch.equal(outs[0], outs[1])
-    for a, b in zip(*grads):
-        assert a.dtype == b.dtype and torch.equal(a, b)
+    for a, b in zip(*grads):  # the weight gradient may be summed in another order (bf16 products)
+        assert a.dtype == b.dtype and torch.allclose(a, b, rtol=1e-2, atol=1e-2 * float(b.abs().max()))
 
 
 def test_linear_outside_bf16_training_calls_the_module():
@@ -292,3 +292,13 @@ def test_linear_outside_bf16_training_calls_the_module():
     assert torch.equal(apply_linear(layer, x, relu=True), torch.relu(layer(x)))  # fp32
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.equal(apply_linear(layer, x), layer(x))  # no gradients recorded
+
+
+@pytest.mark.parametrize("n, k", [(64, 16), (16, 64), (32, 32)])
+def test_weight_gradient_layouts_give_the_product(n, k):
+    from attnmt.models.linear import _weight_grad
+
+    torch.manual_seed(10)
+    g, x = torch.randn(50, n, dtype=torch.float64), torch.randn(50, k, dtype=torch.float64)
+    out = _weight_grad(g, x)
+    assert out.shape == (n, k) and torch.allclose(out, g.t() @ x)

@@ -5,8 +5,10 @@ the product onto it (one more write and read of the whole output), and a followi
 oneDNN's inner product adds the bias and applies the ReLU while each output tile is still in registers; PyTorch
 exposes it as ``torch.ops.mkldnn._linear_pointwise`` (the kernel its compiler emits for CPU linear layers). On a
 (4032 x 512) x (512 x 2048) bf16 product that was 6.6 ms instead of 9.8 ms for linear + relu; a training step of
-the base Transformer got 8% faster. The results are bitwise those of ``nn.Linear`` under autocast. The backward
-pass is autograd's: the ReLU mask from the saved output, then the input, weight and bias gradients.
+the base Transformer got 8% faster. The outputs are bitwise those of ``nn.Linear`` under autocast. The backward
+pass is autograd's (the ReLU mask from the saved output, then the input, weight and bias gradients), except that
+the weight gradient's product is laid out the way oneDNN runs fastest (:func:`_weight_grad`), which can change
+its rounding but not its value.
 
 :func:`apply_linear` uses it for ``nn.Linear`` modules when gradients are recorded on the CPU under bf16
 autocast, and calls the module otherwise (evaluation, generation, quantized layers, CUDA, fp32).
@@ -54,10 +56,21 @@ class _LinearPointwise(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = torch.mm(g, w).view(shape).to(x_dtype)
         if ctx.needs_input_grad[1]:
-            grad_w = torch.mm(g.t(), x2).to(w_dtype)
+            grad_w = _weight_grad(g, x2).to(w_dtype)
         if b_dtype is not None and ctx.needs_input_grad[2]:
             grad_b = g.sum(0).to(b_dtype)
         return grad_x, grad_w, grad_b, None, None
+
+
+def _weight_grad(g: Tensor, x: Tensor) -> Tensor:
+    """``g^T x`` for g (M, N) and x (M, K): oneDNN runs this fastest with the narrower operand transposed into a
+    contiguous copy first (measured on M ~ 3700 rows: 25% faster for N = 4K, 30% for K = 4N; N = K as is)."""
+    n, k = g.size(1), x.size(1)
+    if n > k:
+        return torch.mm(x.t().contiguous(), g).t()
+    if k > n:
+        return torch.mm(g.t().contiguous(), x)
+    return torch.mm(g.t(), x)
 
 
 def apply_linear(module: nn.Module, x: Tensor, relu: bool = False) -> Tensor:
