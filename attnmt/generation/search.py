@@ -41,6 +41,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from attnmt.models.incremental import padded_rows
+
 NEG_INF = float("-inf")
 
 
@@ -287,9 +289,12 @@ def next_token_extensions(model, tokens: Tensor, step: int, enc, cache, max_len:
     rows = max(1, SCORE_BLOCK_ROWS // beam) * beam
     parts = []
     for a in range(0, feats.size(0), rows):
-        b = a + rows
-        lprobs = step_log_probs(model.output_layer(feats[a:b]), step, max_len[a:b], tokens[a:b, 1:step + 1], cfg,
-                                sym, keep_bf16=True)
+        b = min(a + rows, feats.size(0))
+        block = feats[a:b]
+        if b - a < rows:  # the last block: a few row counts only (see attnmt.models.incremental.padded_rows)
+            block = torch.cat([block, block.new_zeros(padded_rows(b - a) - (b - a), block.size(1))])
+        lprobs = step_log_probs(model.output_layer(block)[: b - a], step, max_len[a:b], tokens[a:b, 1:step + 1],
+                                cfg, sym, keep_bf16=True)
         parts.append(best_extensions(lprobs, scores[a:b], beam))
     if len(parts) == 1:
         return parts[0]

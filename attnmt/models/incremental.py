@@ -35,6 +35,25 @@ INITIAL_CAPACITY = 16  # positions in the self-attention buffers at first
 CAPACITY_STEP = 8  # when full, they grow to hold at least this many more
 
 
+def padded_rows(n: int) -> int:
+    """``n`` rounded up to one of eight sizes per power of two (a multiple of 8 at least).
+
+    oneDNN compiles a kernel, and keeps it with its buffers, for every matrix shape it meets: as sentences leave
+    a batch the row count of the decoder's products changes almost every step, and building those kernels cost
+    about 0.7 ms and 0.7 MB each (a tenth of the decoding time, hundreds of MB of memory). Rows padded to these
+    sizes (at most 1/8 more work) keep the set of shapes small and reused.
+    """
+    step = max(8, 1 << max(0, n.bit_length() - 4))
+    return -(-n // step) * step
+
+
+def _pad(x: Tensor, rows: int) -> Tensor:
+    """``x`` with zero rows appended up to ``rows``."""
+    if x.size(0) >= rows:
+        return x
+    return torch.cat([x, x.new_zeros((rows - x.size(0),) + x.shape[1:])])
+
+
 def _attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:
     """softmax(Q K^T / sqrt(d) + bias) V in the dtype of the inputs; ``bias`` is 0 or -inf (masked).
 
@@ -74,8 +93,10 @@ class LayerCache:
         block per (sentence, head), which the batched matmul needs, and would be copied at every step.
         """
         c = self.owner
-        R, H, T, Dh = q.shape
-        K = c.beam
+        padded = q.size(0)
+        R, K = c.rows, c.beam  # the real rows come first
+        q, k, v = q[:R], k[:R], v[:R]
+        _, H, T, Dh = q.shape
         A = R // K
         end = c.length + T
         self._ensure_capacity(H, Dh, q)
@@ -86,7 +107,7 @@ class LayerCache:
                 dst.copy_(src)
             else:
                 dst.index_copy_(0, c.live, src)
-        return c.attend(q, self.k, self.v, "self")
+        return _pad(c.attend(q, self.k, self.v, "self"), padded)
 
     def cross_attention(self, q: Tensor, project_kv, memory: Tensor) -> Tensor:
         """Attend from the decoder queries (R, H, T, Dh) to the encoder output; returns (R, T, H * Dh).
@@ -95,7 +116,7 @@ class LayerCache:
         """
         if self.cross_k is None:
             self.cross_k, self.cross_v = project_kv(memory)
-        return self.owner.attend(q, self.cross_k, self.cross_v, "memory")
+        return _pad(self.owner.attend(q[: self.owner.rows], self.cross_k, self.cross_v, "memory"), q.size(0))
 
     # -------------------------------------------------------------------------------- buffers
 
@@ -153,6 +174,7 @@ class DecoderCache:
         self.buffered = 0  # sentences in the buffers (and in the encoder output that goes with them)
         self.live: Tensor | None = None  # (A,) buffered index of each live sentence; None: all, in order
         self.capacity = 0  # positions the self-attention buffers hold
+        self.rows = 0  # live rows of the current call (its inputs may carry padding rows after them)
         self.ancestors: Tensor | None = None  # (R, capacity) int32: row j of the sentence holding position s
         self.memory_mask: Tensor | None = None  # (N, 1, 1, S) True=attend, or None when nothing is padded
         self.memory_mask_ready = False
@@ -178,6 +200,7 @@ class DecoderCache:
         if rows != live_sents * K:
             raise ValueError(f"the decoder got {rows} rows but the cache holds {live_sents} live sentences of "
                              f"{K} rows each")
+        self.rows = rows
         if end > self.capacity:  # a few spare positions: every growth copies the filled slots
             self.capacity = max(INITIAL_CAPACITY, -(-(end + CAPACITY_STEP) // CAPACITY_STEP) * CAPACITY_STEP)
         cap = self.capacity
@@ -200,6 +223,10 @@ class DecoderCache:
             full = torch.ones((self.buffered,) + mask.shape[1:], dtype=torch.bool, device=device)
             mask = full.index_copy_(0, self.live, mask)
         self.self_mask = mask
+
+    def pad_rows(self, x: Tensor) -> Tensor:
+        """The decoder's input rows (R, T, D) padded with zero rows to ``padded_rows(R)``."""
+        return _pad(x, padded_rows(x.size(0)))
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, which: str) -> Tensor:
         """Attention of the live rows' queries (R, H, T, Dh) to per-sentence keys/values (N, H, L, Dh).

@@ -531,11 +531,13 @@ class TransformerDecoder(nn.Module):
                 cache.set_memory(enc.out.size(0), key_padding_mask(enc.padding_mask))
             memory_mask = cache.memory_mask
             cache.begin(prev_output_tokens.size(0), prev_output_tokens.size(1), prev_output_tokens.device)
+            x = cache.pad_rows(x)  # a few row counts only: oneDNN builds a kernel for every new matrix shape
         layer_caches = [None] * len(self.layers) if cache is None else cache.layers
         for layer, layer_cache in zip(self.layers, layer_caches):
             x = layer(x, enc.out, memory_mask, layer_cache, start)
         if cache is not None:
             cache.length += prev_output_tokens.size(1)
+            x = x[: prev_output_tokens.size(0)]
         if self.final_norm is not None:
             x = self.final_norm(x)
         if output_mask is not None:  # (N, D): padding positions never reach the (large) output projection
