@@ -6,8 +6,8 @@ import os
 
 import pytest
 import torch
-from attnmt.cli import main
 
+from attnmt.cli import main
 from attnmt.errors import UserError
 from attnmt.training.averaging import average_checkpoints, average_to_file, resolve_inputs, select_checkpoints
 

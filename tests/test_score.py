@@ -11,9 +11,9 @@ from collections import Counter
 
 import pytest
 import sacrebleu
-from attnmt.cli import main
 
 from attnmt import scoring
+from attnmt.cli import main
 from attnmt.errors import UserError
 
 
