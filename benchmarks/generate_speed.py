@@ -1,20 +1,35 @@
-"""Translation speed, memory and BLEU of one checkpoint in fp32, bf16 and int8 (and, optionally, CTranslate2 int8).
+"""Translation speed, peak memory and BLEU of one checkpoint: attnmt in fp32, bf16 and int8, against CTranslate2
+(int8 and float32) and, optionally, fairseq-generate, on the same model and sentences.
 
-Each mode runs in its own subprocess, so that its peak resident memory is its own. In each, the model is loaded,
-warmed up on a few sentences, then the whole test set is translated ``--repeats`` times; the best time counts.
-Timed: batching + search (encoder, incremental decoder, beam bookkeeping); not timed: loading, subword encoding
-and detokenization. BLEU is sacreBLEU (13a, cased) of the detokenized output against the reference.
+    python benchmarks/generate_speed.py --path checkpoints/checkpoint_best.pt --data-bin data-bin/multi30k_en_de \\
+        --ref /work/shared/data/multi30k/test_2016_flickr.de.gz \\
+        --ct2-python /work/fairseq-venv/bin/python --ct2-model /tmp/ct2-multi30k \\
+        --fairseq-venv /work/fairseq-venv
 
-    python benchmarks/generate_speed.py --path checkpoints/checkpoint_best.pt \\
-        --src /work/shared/data/multi30k/test_2016_flickr.en.gz --ref /work/shared/data/multi30k/test_2016_flickr.de.gz
+Every engine runs in its own process (so that its peak resident memory is its own) with the same thread count
+(``--threads``, default: every core), is warmed up on a few sentences, then translates the whole set
+``--repeats`` times; the best time counts. Timed: batching and search (encoder, incremental decoder, beam
+bookkeeping); not timed: loading, subword encoding, detokenization. Target tokens are those of the best
+hypothesis, EOS included, as each engine produced them. BLEU is sacreBLEU (13a, cased) of the detokenized output
+against ``--ref`` (default with ``--data-bin``: the binarized target split, decoded back to text).
 
-    python benchmarks/generate_speed.py --path model.pt --data-bin data-bin/multi30k --gen-subset test \\
-        --ct2-model ct2-model --ct2-python /tmp/peer-venv/bin/python
+What is the same for every engine: the subword pieces of each source sentence, beam size, the length limit
+(``a * source length + b``; CTranslate2 and fairseq apply it per batch, attnmt per sentence) and the source
+tokens per batch (``--max-tokens``). What differs by design:
 
-``--ct2-model`` is a CTranslate2 model directory (``benchmarks/export_ct2.py`` writes one from our checkpoint);
-``--ct2-python`` a Python that has ``ctranslate2`` (``/work/shared/peers/install_fairseq.sh VENV`` installs it).
-CTranslate2 gets the same subword pieces and beam size; its length penalty divides by ``length ** alpha``
-(ours by the GNMT ``((5 + length) / 6) ** alpha``), so BLEU can differ slightly for that reason alone.
+* the length penalty: attnmt divides by GNMT's ``((5 + length) / 6) ** alpha``, CTranslate2 and fairseq by
+  ``length ** alpha`` (the same ``--lenpen`` number for all), so BLEU can differ a little for that alone;
+* when a sentence stops: attnmt stops once no live hypothesis can still beat its n-best list (exact: the search
+  returns what an unbounded search would), CTranslate2 and fairseq once ``beam`` hypotheses have finished, which
+  takes fewer decoder steps;
+* fairseq-generate loads its data itself; its own timer (which this script reads) covers the same work.
+
+``--ct2-model DIR``: a CTranslate2 model directory; when DIR does not exist it is exported from ``--path``
+(float32 weights, ``benchmarks/export_ct2.py`` run with ``--ct2-python``); int8 quantizes at load time.
+``--fairseq-venv VENV``: a virtualenv with fairseq 0.12.2; the checkpoint is converted with
+``benchmarks/export_fairseq.py`` and the sentences binarized with the checkpoint's own dictionary.
+The last line is the ratio of attnmt's best target tokens/s to CTranslate2 int8's. The machine must be otherwise
+idle for meaningful numbers; timings of such short runs still vary by up to 20% from run to run.
 """
 
 from __future__ import annotations
@@ -22,13 +37,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
+HERE = Path(__file__).resolve().parent
 MODES = ("fp32", "bf16", "int8")
+CT2_TYPES = {"int8": "int8", "fp32": "float32", "float32": "float32", "bf16": "bfloat16", "int8_bf16": "int8_bfloat16"}
 
 
 def parse_args(argv=None):
@@ -36,19 +55,21 @@ def parse_args(argv=None):
     p.add_argument("--path", required=True, help="checkpoint (or directory holding model.pt)")
     p.add_argument("--data-bin", help="binarized data directory (attnmt preprocess)")
     p.add_argument("--gen-subset", default="test", help="split of --data-bin")
-    p.add_argument("--src", help="raw source file (one sentence per line, .gz allowed)")
+    p.add_argument("--src", help="raw source file (one sentence per line, .gz allowed) instead of --data-bin")
     p.add_argument("--ref", help="raw reference file; default with --data-bin: the detokenized binarized target")
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of fp32,bf16,int8")
+    p.add_argument("--modes", default=",".join(MODES), help="attnmt modes, a comma-separated subset of fp32,bf16,int8")
     p.add_argument("--beam", type=int, default=4)
     p.add_argument("--lenpen", type=float, default=0.6)
     p.add_argument("--max-len-a", type=float, default=1.0)
     p.add_argument("--max-len-b", type=int, default=50)
-    p.add_argument("--max-tokens", type=int, default=4096)
-    p.add_argument("--threads", type=int, default=0, help="torch / CTranslate2 threads (0: default)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per mode; the best counts")
+    p.add_argument("--max-tokens", type=int, default=4096, help="source tokens per batch, for every engine")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads for every engine")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per engine; the best counts")
     p.add_argument("--limit", type=int, default=0, help="only the first N sentences (smoke runs)")
-    p.add_argument("--ct2-model", help="CTranslate2 model directory to compare with (int8)")
-    p.add_argument("--ct2-python", help="a Python interpreter with ctranslate2 installed")
+    p.add_argument("--ct2-python", help="a Python interpreter with ctranslate2 (and torch, to export the model)")
+    p.add_argument("--ct2-model", help="CTranslate2 model directory (exported from --path when missing)")
+    p.add_argument("--ct2-compute-types", default="int8,float32", help="CTranslate2 compute types to run")
+    p.add_argument("--fairseq-venv", help="virtualenv with fairseq 0.12.2 (fairseq-generate) to compare with")
     p.add_argument("--json", help="also write all results to this JSON file")
     p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -56,6 +77,14 @@ def parse_args(argv=None):
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+
+
+def summary(name: str, sentences: int, tokens: int, times: list[float], rss: float, hyps: list[str], refs,
+            **extra) -> dict:
+    best = min(times)
+    return {"mode": name, "sentences": sentences, "target_tokens": tokens, "best_s": round(best, 3),
+            "times_s": [round(t, 3) for t in times], "sentences_per_s": round(sentences / best, 2),
+            "tokens_per_s": round(tokens / best, 1), "peak_rss_mb": round(rss, 1), "bleu": bleu(hyps, refs), **extra}
 
 
 # ------------------------------------------------------------------------------------------------ data
@@ -97,11 +126,11 @@ def bleu(hyps: list[str], refs: list[str] | None) -> float | None:
     return round(corpus_bleu(hyps, refs).score, 2)
 
 
-# ------------------------------------------------------------------------------------------------ one mode
+# ------------------------------------------------------------------------------------------------ attnmt
 
 
 def worker(args) -> dict:
-    """Runs in the subprocess of one mode; returns its measurements."""
+    """Runs in the subprocess of one attnmt mode; returns its measurements."""
     import torch
 
     from attnmt.generation.generator import GenerationConfig
@@ -122,13 +151,10 @@ def worker(args) -> dict:
         t = time.perf_counter()
         results = list(generator.generate(sources, args.max_tokens))
         times.append(time.perf_counter() - t)
-    best = min(times)
     tokens = sum(len(h[0].tokens) for _, h in results if h)
     hyps = [bundle.detokenize(bundle.target_pieces(h[0].tokens)) if h else "" for _, h in results]
-    return {"mode": mode, "sentences": len(sources), "target_tokens": tokens, "best_s": round(best, 3),
-            "times_s": [round(t, 3) for t in times], "sentences_per_s": round(len(sources) / best, 2),
-            "tokens_per_s": round(tokens / best, 1), "peak_rss_mb": round(peak_rss_mb(), 1), "load_s": round(load_s, 2),
-            "bleu": bleu(hyps, refs), "threads": torch.get_num_threads()}
+    return summary(mode, len(sources), tokens, times, peak_rss_mb(), hyps, refs, load_s=round(load_s, 2),
+                   threads=torch.get_num_threads())
 
 
 def run_mode(mode: str, argv: list[str]) -> dict:
@@ -145,7 +171,8 @@ CT2_SCRIPT = r"""
 import json, resource, sys, time
 import ctranslate2
 cfg = json.load(open(sys.argv[1]))
-tr = ctranslate2.Translator(cfg["model"], device="cpu", compute_type="int8", intra_threads=cfg["threads"])
+tr = ctranslate2.Translator(cfg["model"], device="cpu", compute_type=cfg["compute_type"],
+                            intra_threads=cfg["threads"], inter_threads=1)
 opts = dict(beam_size=cfg["beam"], length_penalty=cfg["lenpen"], max_batch_size=cfg["max_tokens"],
             batch_type="tokens", max_decoding_length=cfg["max_len"])
 tr.translate_batch(cfg["pieces"][:16], **opts)
@@ -159,17 +186,26 @@ print(json.dumps({"hyps": [r.hypotheses[0] for r in out], "times_s": times,
 """
 
 
-def run_ct2(args) -> dict:
-    """CTranslate2 int8 on the same pieces, in the interpreter ``--ct2-python``."""
-    from attnmt.inference import load_for_inference
+def ct2_export(args) -> str | None:
+    """The CTranslate2 model directory, exported from the checkpoint when it does not exist; None on failure."""
+    if os.path.isdir(args.ct2_model):
+        return None
+    print(f"exporting {args.path} to CTranslate2 ({args.ct2_model}) ...", file=sys.stderr, flush=True)
+    proc = subprocess.run([args.ct2_python, str(HERE / "export_ct2.py"), "--path", args.path, "--output-dir",
+                           args.ct2_model], capture_output=True, text=True)
+    if proc.returncode != 0:
+        return "export failed: " + (proc.stderr.strip().splitlines() or ["?"])[-1]
+    return None
 
-    bundle = load_for_inference(args.path)
-    sources, refs = load_data(args, bundle)
-    pieces = [bundle.source_pieces(s).split() for s in sources]  # CTranslate2 appends the EOS itself
-    longest = max(len(p) for p in pieces)
-    cfg = {"model": args.ct2_model, "threads": args.threads, "beam": args.beam, "lenpen": args.lenpen,
-           "max_tokens": args.max_tokens, "repeats": args.repeats, "pieces": pieces,
-           "max_len": int(args.max_len_a * longest + args.max_len_b)}
+
+def run_ct2(args, bundle, sources, refs, compute_type: str) -> dict:
+    """CTranslate2 on the same pieces, in the interpreter ``--ct2-python``."""
+    name = f"ct2-{compute_type}"
+    pieces = [bundle.source_pieces(s).split() for s in sources]  # without EOS: CTranslate2 appends it
+    longest = max(len(s) for s in sources)  # with EOS, as attnmt counts the source length
+    cfg = {"model": args.ct2_model, "compute_type": CT2_TYPES.get(compute_type, compute_type),
+           "threads": args.threads, "beam": args.beam, "lenpen": args.lenpen, "max_tokens": args.max_tokens,
+           "repeats": args.repeats, "pieces": pieces, "max_len": int(args.max_len_a * longest + args.max_len_b)}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(cfg, f)
     try:
@@ -177,15 +213,73 @@ def run_ct2(args) -> dict:
     finally:
         os.unlink(f.name)
     if proc.returncode != 0:
-        return {"mode": "ct2-int8", "error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
+        return {"mode": name, "error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
     r = json.loads(proc.stdout.strip().splitlines()[-1])
-    best = min(r["times_s"])
     hyps = [bundle.detokenize(" ".join(t for t in h if t != "</s>")) for h in r["hyps"]]
-    tokens = sum(len(h) + 1 for h in r["hyps"])  # + EOS, counted as ours are
-    return {"mode": "ct2-int8", "sentences": len(sources), "target_tokens": tokens, "best_s": round(best, 3),
-            "times_s": [round(t, 3) for t in r["times_s"]], "sentences_per_s": round(len(sources) / best, 2),
-            "tokens_per_s": round(tokens / best, 1), "peak_rss_mb": round(r["peak_rss_mb"], 1),
-            "bleu": bleu(hyps, refs)}
+    tokens = sum(len(h) + 1 for h in r["hyps"])  # + EOS, counted as attnmt counts it
+    return summary(name, len(sources), tokens, r["times_s"], r["peak_rss_mb"], hyps, refs, threads=args.threads)
+
+
+# ------------------------------------------------------------------------------------------------ fairseq
+
+_FAIRSEQ_SUMMARY = re.compile(r"Translated ([\d,]+) sentences \(([\d,]+) tokens\) in ([\d.]+)s")
+FAIRSEQ_SCRIPT = r"""
+import resource, sys
+from fairseq_cli.generate import cli_main
+sys.argv = ["fairseq-generate"] + sys.argv[1:]
+try:
+    cli_main()
+finally:
+    print("PEAK_RSS_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)
+"""
+
+
+def run_fairseq(args, bundle, sources, refs, work: Path) -> dict:
+    """fairseq-generate on the converted checkpoint and the same pieces, binarized with the same dictionary."""
+    venv = Path(args.fairseq_venv)
+    py = str(venv / "bin" / "python")
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
+               TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1")  # fairseq 0.12 checkpoints hold an argparse.Namespace
+
+    def fail(what: str, proc) -> dict:
+        return {"mode": "fairseq", "error": f"{what} failed: " + (proc.stderr.strip().splitlines() or ["?"])[-1]}
+
+    model_dir = work / "model"
+    proc = subprocess.run([py, str(HERE / "export_fairseq.py"), "--path", args.path, "--output-dir", str(model_dir)],
+                          capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        return fail("export_fairseq.py", proc)
+    src, tgt = bundle.source_lang, bundle.target_lang
+    text = "".join(bundle.source_pieces(s) + "\n" for s in sources)
+    for lang in (src, tgt):  # fairseq-preprocess wants a target side; it is not used to translate
+        (work / f"test.{lang}").write_text(text, encoding="utf-8")
+    data = work / "bin"
+    proc = subprocess.run([str(venv / "bin" / "fairseq-preprocess"), "-s", src, "-t", tgt, "--testpref",
+                           str(work / "test"), "--destdir", str(data), "--srcdict", str(model_dir / "dict.txt"),
+                           "--joined-dictionary", "--workers", "1"], capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        return fail("fairseq-preprocess", proc)
+    cmd = [py, "-c", FAIRSEQ_SCRIPT, str(data), "--path", str(model_dir / "checkpoint.pt"), "--gen-subset", "test",
+           "-s", src, "-t", tgt, "--beam", str(args.beam), "--lenpen", str(args.lenpen), "--max-len-a",
+           str(args.max_len_a), "--max-len-b", str(args.max_len_b), "--max-tokens", str(args.max_tokens), "--cpu"]
+    times, peak, tokens, lines = [], 0.0, 0, []
+    for _ in range(args.repeats):  # each run loads the model anew; fairseq's timer covers the translation only
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        m = _FAIRSEQ_SUMMARY.search(proc.stderr + proc.stdout)
+        if proc.returncode != 0 or not m:
+            return fail("fairseq-generate", proc)
+        times.append(float(m.group(3)))
+        tokens = int(m.group(2).replace(",", ""))  # the hypotheses' tokens, EOS included
+        rss = re.search(r"PEAK_RSS_KB (\d+)", proc.stderr)
+        peak = max(peak, int(rss.group(1)) / 1024.0 if rss else 0.0)
+        lines = proc.stdout.splitlines()
+    best: dict[int, str] = {}
+    for line in lines:  # H-<id> <score> <pieces>, best hypothesis first
+        if line.startswith("H-"):
+            idx, _score, pieces = line[2:].split("\t", 2)
+            best.setdefault(int(idx), pieces)
+    hyps = [bundle.detokenize(best.get(i, "")) for i in range(len(sources))]
+    return summary("fairseq", len(sources), tokens, times, peak, hyps, refs, threads=args.threads)
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -193,19 +287,22 @@ def run_ct2(args) -> dict:
 
 def print_table(results: list[dict]) -> None:
     base = next((r for r in results if r.get("mode") == "fp32" and "error" not in r), None)
-    print(f"{'mode':10} {'sent/s':>9} {'tok/s':>9} {'best s':>8} {'peak RSS MB':>12} {'BLEU':>6} {'vs fp32':>8}")
+    print(f"{'engine':12} {'sent/s':>9} {'tok/s':>9} {'best s':>8} {'tokens':>7} {'peak RSS MB':>12} {'BLEU':>6} "
+          f"{'vs fp32':>8}")
     for r in results:
         if "error" in r:
-            print(f"{r['mode']:10} failed: {r['error']}")
+            print(f"{r['mode']:12} failed: {r['error']}")
             continue
-        ratio = f"{r['sentences_per_s'] / base['sentences_per_s']:.2f}x" if base else "-"
+        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
         b = "-" if r.get("bleu") is None else f"{r['bleu']:.2f}"
-        print(f"{r['mode']:10} {r['sentences_per_s']:9.2f} {r['tokens_per_s']:9.1f} {r['best_s']:8.2f} "
-              f"{r['peak_rss_mb']:12.1f} {b:>6} {ratio:>8}")
-    ours = next((r for r in results if r.get("mode") == "int8" and "error" not in r), None)
+        print(f"{r['mode']:12} {r['sentences_per_s']:9.2f} {r['tokens_per_s']:9.1f} {r['best_s']:8.2f} "
+              f"{r['target_tokens']:7d} {r['peak_rss_mb']:12.1f} {b:>6} {ratio:>8}")
+    ours = [r for r in results if r.get("mode") in MODES and "error" not in r]
     ct2 = next((r for r in results if r.get("mode") == "ct2-int8" and "error" not in r), None)
     if ours and ct2:
-        print(f"CTranslate2 int8 / attnmt int8 speed: {ct2['sentences_per_s'] / ours['sentences_per_s']:.2f}x")
+        best = max(ours, key=lambda r: r["tokens_per_s"])
+        print(f"attnmt best ({best['mode']}) / CTranslate2 int8, target tokens/s: "
+              f"{best['tokens_per_s'] / ct2['tokens_per_s']:.2f}x")
 
 
 def main(argv=None) -> None:
@@ -222,11 +319,25 @@ def main(argv=None) -> None:
         sys.exit("--ct2-model and --ct2-python go together")
     results = []
     for mode in modes:
-        print(f"running {mode} ...", file=sys.stderr, flush=True)
+        print(f"running attnmt {mode} ...", file=sys.stderr, flush=True)
         results.append(run_mode(mode, argv))
-    if args.ct2_model:
-        print("running CTranslate2 int8 ...", file=sys.stderr, flush=True)
-        results.append(run_ct2(args))
+    if args.ct2_model or args.fairseq_venv:
+        from attnmt.inference import load_for_inference
+
+        bundle = load_for_inference(args.path)
+        sources, refs = load_data(args, bundle)
+        if args.ct2_model:
+            failed = ct2_export(args)
+            for ct in [c.strip() for c in args.ct2_compute_types.split(",") if c.strip()]:
+                if failed:
+                    results.append({"mode": f"ct2-{ct}", "error": failed})
+                    continue
+                print(f"running CTranslate2 {ct} ...", file=sys.stderr, flush=True)
+                results.append(run_ct2(args, bundle, sources, refs, ct))
+        if args.fairseq_venv:
+            print("running fairseq-generate ...", file=sys.stderr, flush=True)
+            with tempfile.TemporaryDirectory(prefix="attnmt-fairseq-") as work:
+                results.append(run_fairseq(args, bundle, sources, refs, Path(work)))
     print_table(results)
     if args.json:
         from attnmt.fileio import atomic_open
