@@ -171,18 +171,22 @@ CT2_SCRIPT = r"""
 import json, resource, sys, time
 import ctranslate2
 cfg = json.load(open(sys.argv[1]))
-tr = ctranslate2.Translator(cfg["model"], device="cpu", compute_type=cfg["compute_type"],
-                            intra_threads=cfg["threads"], inter_threads=1)
-opts = dict(beam_size=cfg["beam"], length_penalty=cfg["lenpen"], max_batch_size=cfg["max_tokens"],
-            batch_type="tokens", max_decoding_length=cfg["max_len"])
-tr.translate_batch(cfg["pieces"][:16], **opts)
-times = []
-for _ in range(cfg["repeats"]):
-    t = time.perf_counter()
-    out = tr.translate_batch(cfg["pieces"], **opts)
-    times.append(time.perf_counter() - t)
-print(json.dumps({"hyps": [r.hypotheses[0] for r in out], "times_s": times,
-                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}))
+runs = []
+for intra, inter, batch_type, batch_size in cfg["configs"]:
+    tr = ctranslate2.Translator(cfg["model"], device="cpu", compute_type=cfg["compute_type"], intra_threads=intra,
+                                inter_threads=inter)
+    opts = dict(beam_size=cfg["beam"], length_penalty=cfg["lenpen"], max_batch_size=batch_size,
+                batch_type=batch_type, max_decoding_length=cfg["max_len"])
+    tr.translate_batch(cfg["pieces"][:16], **opts)
+    times = []
+    for _ in range(cfg["repeats"]):
+        t = time.perf_counter()
+        out = tr.translate_batch(cfg["pieces"], **opts)
+        times.append(time.perf_counter() - t)
+    runs.append({"config": [intra, inter, batch_type, batch_size], "times_s": times,
+                 "hyps": [r.hypotheses[0] for r in out]})
+    del tr
+print(json.dumps({"runs": runs, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}))
 """
 
 
@@ -198,14 +202,26 @@ def ct2_export(args) -> str | None:
     return None
 
 
+def ct2_configs(args) -> list[list]:
+    """CTranslate2 settings to try, (intra_threads, inter_threads, batch_type, max_batch_size); the best counts.
+
+    With several threads CTranslate2 can split each product (intra) or translate batches in parallel, one
+    translator per thread (inter); on two cores the second was up to twice as fast. Its batches are cut by source
+    tokens (``--max-tokens``, as attnmt's) or by sentences (64, where small batches ran faster).
+    """
+    layouts = [(args.threads, 1)] + ([(1, args.threads)] if args.threads > 1 else [])
+    return [[intra, inter, bt, size] for intra, inter in layouts
+            for bt, size in (("tokens", args.max_tokens), ("examples", 64))]
+
+
 def run_ct2(args, bundle, sources, refs, compute_type: str) -> dict:
-    """CTranslate2 on the same pieces, in the interpreter ``--ct2-python``."""
+    """CTranslate2 on the same pieces, in the interpreter ``--ct2-python``: the best of ``ct2_configs``."""
     name = f"ct2-{compute_type}"
     pieces = [bundle.source_pieces(s).split() for s in sources]  # without EOS: CTranslate2 appends it
     longest = max(len(s) for s in sources)  # with EOS, as attnmt counts the source length
     cfg = {"model": args.ct2_model, "compute_type": CT2_TYPES.get(compute_type, compute_type),
-           "threads": args.threads, "beam": args.beam, "lenpen": args.lenpen, "max_tokens": args.max_tokens,
-           "repeats": args.repeats, "pieces": pieces, "max_len": int(args.max_len_a * longest + args.max_len_b)}
+           "configs": ct2_configs(args), "beam": args.beam, "lenpen": args.lenpen, "repeats": args.repeats,
+           "pieces": pieces, "max_len": int(args.max_len_a * longest + args.max_len_b)}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(cfg, f)
     try:
@@ -215,9 +231,16 @@ def run_ct2(args, bundle, sources, refs, compute_type: str) -> dict:
     if proc.returncode != 0:
         return {"mode": name, "error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
     r = json.loads(proc.stdout.strip().splitlines()[-1])
-    hyps = [bundle.detokenize(" ".join(t for t in h if t != "</s>")) for h in r["hyps"]]
-    tokens = sum(len(h) + 1 for h in r["hyps"])  # + EOS, counted as attnmt counts it
-    return summary(name, len(sources), tokens, r["times_s"], r["peak_rss_mb"], hyps, refs, threads=args.threads)
+    results = []
+    for run in r["runs"]:
+        hyps = [bundle.detokenize(" ".join(t for t in h if t != "</s>")) for h in run["hyps"]]
+        tokens = sum(len(h) + 1 for h in run["hyps"])  # + EOS, counted as attnmt counts it
+        intra, inter, bt, size = run["config"]
+        results.append(summary(name, len(sources), tokens, run["times_s"], r["peak_rss_mb"], hyps, refs,
+                               threads=args.threads, config=f"intra {intra} inter {inter}, {size} {bt}"))
+    best = max(results, key=lambda x: x["tokens_per_s"])
+    best["all_configs"] = [{k: x[k] for k in ("config", "tokens_per_s", "best_s")} for x in results]
+    return best
 
 
 # ------------------------------------------------------------------------------------------------ fairseq
@@ -288,7 +311,7 @@ def run_fairseq(args, bundle, sources, refs, work: Path) -> dict:
 def print_table(results: list[dict]) -> None:
     base = next((r for r in results if r.get("mode") == "fp32" and "error" not in r), None)
     print(f"{'engine':12} {'sent/s':>9} {'tok/s':>9} {'best s':>8} {'tokens':>7} {'peak RSS MB':>12} {'BLEU':>6} "
-          f"{'vs fp32':>8}")
+          f"{'vs fp32':>8}  settings")
     for r in results:
         if "error" in r:
             print(f"{r['mode']:12} failed: {r['error']}")
@@ -296,7 +319,7 @@ def print_table(results: list[dict]) -> None:
         ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
         b = "-" if r.get("bleu") is None else f"{r['bleu']:.2f}"
         print(f"{r['mode']:12} {r['sentences_per_s']:9.2f} {r['tokens_per_s']:9.1f} {r['best_s']:8.2f} "
-              f"{r['target_tokens']:7d} {r['peak_rss_mb']:12.1f} {b:>6} {ratio:>8}")
+              f"{r['target_tokens']:7d} {r['peak_rss_mb']:12.1f} {b:>6} {ratio:>8}  {r.get('config', '')}")
     ours = [r for r in results if r.get("mode") in MODES and "error" not in r]
     ct2 = next((r for r in results if r.get("mode") == "ct2-int8" and "error" not in r), None)
     if ours and ct2:

@@ -308,3 +308,47 @@ def test_config_validation_messages():
     with pytest.raises(ValueError, match="--sampling-topp"):
         SearchConfig(sampling_topp=0.0)
     assert math.isclose(SearchConfig().lenpen, 0.6) and SearchConfig().beam == 4
+
+
+def test_bf16_block_maxima_of_log_probabilities_are_exact():
+    from attnmt.generation.search import _block_maxima
+
+    g = torch.Generator().manual_seed(0)
+    x = -(torch.rand(7, 4 * 64, generator=g) * 30).to(torch.bfloat16)
+    x[0, :64] = float("-inf")  # a block of masked tokens
+    x[1, 70] = -0.0
+    x[2, 5] = 0.0
+    got = _block_maxima(x, 4, nonpositive=True)
+    want = x.float().unflatten(1, (4, -1)).amax(dim=2).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got.float(), want.float())
+    assert got[0, 0] == float("-inf")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_beam_early_stop_is_a_prefix_of_the_exact_search(seed):
+    # early_stop="beam" follows the same beam and stops once `beam` hypotheses have finished: never more decoder
+    # steps, never a better result than the exact stop, and the same output whatever the batching
+    sources = [[5, 4, 4, EOS], [4, EOS], [3, 5, 5, 4, 5, EOS]]
+    exact_model, beam_model = TableModel(vocab=7, seed=seed, bias={EOS: 1.0}), TableModel(vocab=7, seed=seed,
+                                                                                        bias={EOS: 1.0})
+    exact = beam_search(exact_model, *batch(sources), SearchConfig(beam=3, lenpen=1.5, max_len_b=12), SYM)
+    cfg = SearchConfig(beam=3, lenpen=1.5, max_len_b=12, early_stop="beam")
+    early = beam_search(beam_model, *batch(sources), cfg, SYM)
+    assert beam_model.calls <= exact_model.calls
+    for src, e, b in zip(sources, exact, early):
+        assert b[0].score <= e[0].score + 1e-6
+        assert [h.tokens for h in beam_search(TableModel(vocab=7, seed=seed, bias={EOS: 1.0}), *batch([src]), cfg,
+                                              SYM)[0]] == [h.tokens for h in b]
+
+
+def test_beam_early_stop_takes_fewer_steps_when_short_hypotheses_finish_first():
+    fewer = 0
+    for seed in range(10):
+        exact_model, beam_model = TableModel(vocab=7, seed=seed, bias={EOS: 1.5}), TableModel(vocab=7, seed=seed,
+                                                                                            bias={EOS: 1.5})
+        beam_search(exact_model, *batch(SOURCES), SearchConfig(beam=3, lenpen=2.0, max_len_b=12), SYM)
+        beam_search(beam_model, *batch(SOURCES), SearchConfig(beam=3, lenpen=2.0, max_len_b=12, early_stop="beam"),
+                    SYM)
+        fewer += beam_model.calls < exact_model.calls
+    assert fewer > 0

@@ -36,7 +36,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor
@@ -59,6 +59,10 @@ class SearchConfig:
     nbest: int = field(default=1, metadata={"help": "Output this many hypotheses per sentence (at most --beam)."})
     unkpen: float = field(default=0.0, metadata={"help": "Subtract this from the log-probability of the unknown word."})
     no_repeat_ngram_size: int = field(default=0, metadata={"help": "Never repeat an n-gram of this size (0: off)."})
+    early_stop: Literal["exact", "beam"] = field(default="exact", metadata={
+        "help": "When a sentence stops: exact (once no live hypothesis can beat its n-best list: the result of an "
+                "unbounded search) or beam (once --beam hypotheses have finished, as fairseq and CTranslate2 do: "
+                "fewer decoder steps, but a longer hypothesis that would have scored higher can be missed)."})
     sampling: bool = field(default=False, metadata={"help": "Sample from the model instead of searching."})
     sampling_topk: int = field(default=0, metadata={"help": "Sample from the k most probable tokens only (0: all)."})
     sampling_topp: float = field(default=1.0, metadata={
@@ -229,13 +233,28 @@ TOPK_BLOCK = 64  # best_extensions scans the vocabulary as blocks of this many t
 SCORE_BLOCK_ROWS = 256  # rows projected to the vocabulary at a time (see next_token_extensions)
 
 
-def best_extensions(lprobs: Tensor, scores: Tensor, beam: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _block_maxima(x: Tensor, n: int, nonpositive: bool) -> Tensor:
+    """Maxima of ``n`` equal blocks of each row of ``x`` (R, n * c) -> (R, n).
+
+    PyTorch reduces bf16 through float conversions, twice as slow as this: for values <= 0 (log-probabilities),
+    the bf16 bit pattern read as an integer, sign bit cleared, orders them by magnitude, so the block maximum is
+    the block's smallest such integer with the sign bit put back (exact, -inf and -0 included).
+    """
+    if x.dtype != torch.bfloat16 or not nonpositive:
+        return x.unflatten(1, (n, -1)).amax(dim=2)
+    magnitude = x.view(torch.int16) & 0x7FFF
+    return (magnitude.unflatten(1, (n, -1)).amin(dim=2) | -32768).view(torch.bfloat16)
+
+
+def best_extensions(lprobs: Tensor, scores: Tensor, beam: int,
+                    nonpositive: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The best ``C = min(2 * beam, beam * V)`` one-token extensions of each sentence's hypotheses, best first.
 
     ``lprobs`` (A * beam, V): next-token log-probabilities of each sentence's ``beam`` hypotheses (consecutive
     rows); ``scores`` (A * beam,): their cumulative log-probabilities. Returns, each (A, C): the extended
     cumulative scores (float32), the new token's log-probability (float32), the hypothesis extended
     (0..beam-1) and the token; the same as a top-C over the (A, beam * V) sums, without forming them.
+    ``nonpositive``: every log-probability is <= 0 (no ``--unkpen`` reward), which allows a faster bf16 scan.
 
     ``torch.topk`` over a 10k vocabulary costs several times a max reduction over it, so each row is cut into
     blocks of ``TOPK_BLOCK`` tokens. A block's candidates score at most its hypothesis' score plus the block's
@@ -254,7 +273,7 @@ def best_extensions(lprobs: Tensor, scores: Tensor, beam: int) -> tuple[Tensor, 
     if n <= C:  # a short vocabulary: one top-k over all extensions
         top_s, j = (scores.view(-1, 1) + lprobs.float()).view(A, beam * V).topk(C, dim=1)
         return top_s, lprobs.reshape(A, beam * V).gather(1, j).float(), j // V, j % V
-    bound = lprobs[:, : n * c].unflatten(1, (n, c)).amax(dim=2).float() + scores.view(-1, 1)  # (R, n)
+    bound = _block_maxima(lprobs[:, : n * c], n, nonpositive).float() + scores.view(-1, 1)  # (R, n)
     blocks = bound.view(A, beam * n).topk(C, dim=1).indices  # (A, C): hypothesis * n + block
     start = (first_row + blocks // n) * V + (blocks % n) * c  # (A, C) offset of each block in lprobs
     offsets = (start[:, :, None] + torch.arange(c, device=dev)).view(A, C * c)
@@ -284,7 +303,7 @@ def next_token_extensions(model, tokens: Tensor, step: int, enc, cache, max_len:
     if not hasattr(model, "output_layer"):
         logits = model.decode(prev, enc, cache)[:, -1]
         lprobs = step_log_probs(logits, step, max_len, tokens[:, 1:step + 1], cfg, sym, keep_bf16=True)
-        return best_extensions(lprobs, scores, beam)
+        return best_extensions(lprobs, scores, beam, cfg.unkpen >= 0)
     feats = model.decode_features(prev, enc, cache)[:, -1]  # (R, D)
     rows = max(1, SCORE_BLOCK_ROWS // beam) * beam
     parts = []
@@ -295,7 +314,7 @@ def next_token_extensions(model, tokens: Tensor, step: int, enc, cache, max_len:
             block = torch.cat([block, block.new_zeros(padded_rows(b - a) - (b - a), block.size(1))])
         lprobs = step_log_probs(model.output_layer(block)[: b - a], step, max_len[a:b], tokens[a:b, 1:step + 1],
                                 cfg, sym, keep_bf16=True)
-        parts.append(best_extensions(lprobs, scores[a:b], beam))
+        parts.append(best_extensions(lprobs, scores[a:b], beam, cfg.unkpen >= 0))
     if len(parts) == 1:
         return parts[0]
     return tuple(torch.cat(p) for p in zip(*parts))
@@ -310,10 +329,12 @@ class _Finished:
     def __init__(self, n: int, nbest: int):
         self.nbest = nbest
         self.hyps: list[list[Hypothesis]] = [[] for _ in range(n)]
+        self.count = [0] * n  # hypotheses finished per sentence, kept or not
 
     def add(self, sent: int, hyp: Hypothesis) -> float:
         """Insert ``hyp``; return the ``nbest``-th best score of the sentence (-inf while fewer are finished)."""
         lst = self.hyps[sent]
+        self.count[sent] += 1
         bisect.insort_right(lst, hyp, key=lambda h: -h.score)
         del lst[self.nbest:]
         return lst[-1].score if len(lst) == self.nbest else NEG_INF
@@ -415,6 +436,8 @@ def beam_search(model: IncrementalModel, src_tokens: Tensor, src_lengths: Tensor
         new_s, new_tok, new_lp = top_s.gather(1, sel), tok.gather(1, sel), top_lp.gather(1, sel)
         src_rows = (arange_a * K)[:, None] + beam_i.gather(1, sel)
         done = score_upper_bound(new_s[:, 0], step + 1, max_len, cfg.lenpen, bonus) <= kth_best
+        if cfg.early_stop == "beam":
+            done |= torch.tensor([finished.count[i] >= K for i in sent_ids], device=dev)
         keep = None
         if bool(done.any()):
             keep = (~done).nonzero(as_tuple=True)[0]
@@ -470,6 +493,8 @@ def greedy_search(model: IncrementalModel, src_tokens: Tensor, src_lengths: Tens
         pick = is_eos[:, :1].long()  # the first non-EOS of the two
         new_s, new_tok, new_lp = top_s.gather(1, pick)[:, 0], top_i.gather(1, pick)[:, 0], top_lp.gather(1, pick)[:, 0]
         done = score_upper_bound(new_s, step + 1, max_len, cfg.lenpen, bonus) <= kth_best
+        if cfg.early_stop == "beam":
+            done |= torch.tensor([finished.count[i] >= 1 for i in sent_ids], device=dev)
         if bool(done.any()):
             keep = (~done).nonzero(as_tuple=True)[0]
             if keep.numel() == 0:
