@@ -19,9 +19,10 @@ tokens per batch (``--max-tokens``). What differs by design:
 
 * the length penalty: attnmt divides by GNMT's ``((5 + length) / 6) ** alpha``, CTranslate2 and fairseq by
   ``length ** alpha`` (the same ``--lenpen`` number for all), so BLEU can differ a little for that alone;
-* when a sentence stops: attnmt stops once no live hypothesis can still beat its n-best list (exact: the search
-  returns what an unbounded search would), CTranslate2 and fairseq once ``beam`` hypotheses have finished, which
-  takes fewer decoder steps;
+* when a sentence stops: attnmt's default stops once no live hypothesis can still beat its n-best list (exact:
+  the search returns what an unbounded search would), CTranslate2 and fairseq once ``beam`` hypotheses have
+  finished, which takes fewer decoder steps. attnmt runs with both rules (``--early-stop exact,beam``), so the
+  comparison can be made on equal terms;
 * fairseq-generate loads its data itself; its own timer (which this script reads) covers the same work.
 
 ``--ct2-model DIR``: a CTranslate2 model directory; when DIR does not exist it is exported from ``--path``
@@ -71,7 +72,11 @@ def parse_args(argv=None):
     p.add_argument("--ct2-compute-types", default="int8,float32", help="CTranslate2 compute types to run")
     p.add_argument("--fairseq-venv", help="virtualenv with fairseq 0.12.2 (fairseq-generate) to compare with")
     p.add_argument("--json", help="also write all results to this JSON file")
+    p.add_argument("--early-stop", default="exact,beam",
+                   help="attnmt stopping rules to run, a comma-separated subset of exact,beam (see --early-stop of "
+                        "attnmt generate); beam is the rule CTranslate2 and fairseq use")
     p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
+    p.add_argument("--worker-early-stop", choices=("exact", "beam"), default="exact", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -138,7 +143,8 @@ def worker(args) -> dict:
     from attnmt.inference import load_generator
 
     mode = args.worker
-    search_cfg = SearchConfig(beam=args.beam, lenpen=args.lenpen, max_len_a=args.max_len_a, max_len_b=args.max_len_b)
+    search_cfg = SearchConfig(beam=args.beam, lenpen=args.lenpen, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
+                              early_stop=args.worker_early_stop)
     gen_cfg = GenerationConfig(max_tokens=args.max_tokens, device="cpu", bf16=mode == "bf16",
                                quantize="int8" if mode == "int8" else "none", threads=args.threads)
     t0 = time.perf_counter()
@@ -154,14 +160,15 @@ def worker(args) -> dict:
     tokens = sum(len(h[0].tokens) for _, h in results if h)
     hyps = [bundle.detokenize(bundle.target_pieces(h[0].tokens)) if h else "" for _, h in results]
     return summary(mode, len(sources), tokens, times, peak_rss_mb(), hyps, refs, load_s=round(load_s, 2),
-                   threads=torch.get_num_threads())
+                   threads=torch.get_num_threads(), config=f"early stop: {args.worker_early_stop}")
 
 
-def run_mode(mode: str, argv: list[str]) -> dict:
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--worker", mode],
-                          capture_output=True, text=True)
+def run_mode(mode: str, early_stop: str, argv: list[str]) -> dict:
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--worker", mode,
+                           "--worker-early-stop", early_stop], capture_output=True, text=True)
     if proc.returncode != 0:
-        return {"mode": mode, "error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
+        return {"mode": mode, "config": f"early stop: {early_stop}",
+                "error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -314,7 +321,7 @@ def print_table(results: list[dict]) -> None:
           f"{'vs fp32':>8}  settings")
     for r in results:
         if "error" in r:
-            print(f"{r['mode']:12} failed: {r['error']}")
+            print(f"{r['mode']:12} failed: {r['error']}  {r.get('config', '')}")
             continue
         ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"
         b = "-" if r.get("bleu") is None else f"{r['bleu']:.2f}"
@@ -324,7 +331,7 @@ def print_table(results: list[dict]) -> None:
     ct2 = next((r for r in results if r.get("mode") == "ct2-int8" and "error" not in r), None)
     if ours and ct2:
         best = max(ours, key=lambda r: r["tokens_per_s"])
-        print(f"attnmt best ({best['mode']}) / CTranslate2 int8, target tokens/s: "
+        print(f"attnmt best ({best['mode']}, {best['config']}) / CTranslate2 int8, target tokens/s: "
               f"{best['tokens_per_s'] / ct2['tokens_per_s']:.2f}x")
 
 
@@ -340,10 +347,14 @@ def main(argv=None) -> None:
         sys.exit(f"unknown mode(s) {', '.join(bad)}; choose from {', '.join(MODES)}")
     if bool(args.ct2_model) != bool(args.ct2_python):
         sys.exit("--ct2-model and --ct2-python go together")
+    stops = [m.strip() for m in args.early_stop.split(",") if m.strip()]
+    if not stops or any(m not in ("exact", "beam") for m in stops):
+        sys.exit(f"--early-stop takes exact, beam or both, got {args.early_stop!r}")
     results = []
-    for mode in modes:
-        print(f"running attnmt {mode} ...", file=sys.stderr, flush=True)
-        results.append(run_mode(mode, argv))
+    for stop in stops:
+        for mode in modes:
+            print(f"running attnmt {mode} (early stop: {stop}) ...", file=sys.stderr, flush=True)
+            results.append(run_mode(mode, stop, argv))
     if args.ct2_model or args.fairseq_venv:
         from attnmt.inference import load_for_inference
 

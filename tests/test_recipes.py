@@ -52,8 +52,11 @@ def test_multi30k_recipe_smoke(tmp_path):
 
 def test_iwslt14_recipe_smoke(tmp_path):
     run_recipe("iwslt14_de_en", tmp_path, "iwslt14_de_en", TRAIN_LINES="300", MAX_UPDATE="4", MAX_TIME_MINUTES="5",
-               EXTRA_TRAIN_ARGS=TINY, GEN_ARGS=SHORT, AVG="2")
+               EXTRA_TRAIN_ARGS=TINY + " --eval-bleu-max-len-a 0 --eval-bleu-max-len-b 4", GEN_ARGS=SHORT, AVG="2",
+               EVAL_BLEU="20")
     out = tmp_path / "work" / "results"
+    log = [json.loads(line) for line in (tmp_path / "work" / "checkpoints" / "train.jsonl").read_text().splitlines()]
+    assert any(rec.get("bleu") is not None for rec in log)  # the valid BLEU curve has points
     assert len((out / "test.hyp.tok.en").read_text().splitlines()) == 6750
     assert "tokenized" in (out / "test.tok-bleu").read_text().lower()
     assert "13a" in (out / "test.sacrebleu").read_text()

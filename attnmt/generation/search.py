@@ -61,7 +61,8 @@ class SearchConfig:
     no_repeat_ngram_size: int = field(default=0, metadata={"help": "Never repeat an n-gram of this size (0: off)."})
     early_stop: Literal["exact", "beam"] = field(default="exact", metadata={
         "help": "When a sentence stops: exact (once no live hypothesis can beat its n-best list: the result of an "
-                "unbounded search) or beam (once --beam hypotheses have finished, as fairseq and CTranslate2 do: "
+                "unbounded search) or beam (also once --beam hypotheses ending in EOS have ranked among the --beam best "
+                "extensions of a step, as fairseq and CTranslate2 stop: "
                 "fewer decoder steps, but a longer hypothesis that would have scored higher can be missed)."})
     sampling: bool = field(default=False, metadata={"help": "Sample from the model instead of searching."})
     sampling_topk: int = field(default=0, metadata={"help": "Sample from the k most probable tokens only (0: all)."})
@@ -329,12 +330,10 @@ class _Finished:
     def __init__(self, n: int, nbest: int):
         self.nbest = nbest
         self.hyps: list[list[Hypothesis]] = [[] for _ in range(n)]
-        self.count = [0] * n  # hypotheses finished per sentence, kept or not
 
     def add(self, sent: int, hyp: Hypothesis) -> float:
         """Insert ``hyp``; return the ``nbest``-th best score of the sentence (-inf while fewer are finished)."""
         lst = self.hyps[sent]
-        self.count[sent] += 1
         bisect.insort_right(lst, hyp, key=lambda h: -h.score)
         del lst[self.nbest:]
         return lst[-1].score if len(lst) == self.nbest else NEG_INF
@@ -422,6 +421,8 @@ def beam_search(model: IncrementalModel, src_tokens: Tensor, src_lengths: Tensor
     bonus = max(0.0, -cfg.unkpen)
     A = B
     arange_a = torch.arange(A, device=dev)
+    beam_stop = cfg.early_stop == "beam"
+    top_eos = torch.zeros(A, dtype=torch.long, device=dev)  # per sentence, for beam_stop
     for step in range(T - 1):
         top_s, top_lp, beam_i, tok = next_token_extensions(model, tokens, step, enc, cache, max_len.repeat_interleave(K),
                                                            scores.view(-1), K, cfg, sym)  # (A, C) each
@@ -436,15 +437,16 @@ def beam_search(model: IncrementalModel, src_tokens: Tensor, src_lengths: Tensor
         new_s, new_tok, new_lp = top_s.gather(1, sel), tok.gather(1, sel), top_lp.gather(1, sel)
         src_rows = (arange_a * K)[:, None] + beam_i.gather(1, sel)
         done = score_upper_bound(new_s[:, 0], step + 1, max_len, cfg.lenpen, bonus) <= kth_best
-        if cfg.early_stop == "beam":
-            done |= torch.tensor([finished.count[i] >= K for i in sent_ids], device=dev)
+        if beam_stop:  # fairseq's rule: `beam` EOS hypotheses ranked among the `beam` best extensions
+            top_eos += fin[:, :K].sum(dim=1)
+            done |= top_eos >= K
         keep = None
         if bool(done.any()):
             keep = (~done).nonzero(as_tuple=True)[0]
             if keep.numel() == 0:
                 break
             src_rows, new_s, new_tok, new_lp = src_rows[keep], new_s[keep], new_tok[keep], new_lp[keep]
-            kth_best, max_len = kth_best[keep], max_len[keep]
+            kth_best, max_len, top_eos = kth_best[keep], max_len[keep], top_eos[keep]
             sent_ids = [sent_ids[i] for i in keep.tolist()]
             A = keep.numel()
             arange_a = torch.arange(A, device=dev)
@@ -481,6 +483,7 @@ def greedy_search(model: IncrementalModel, src_tokens: Tensor, src_lengths: Tens
     sent_ids = list(range(B))
     finished = _Finished(B, 1)
     bonus = max(0.0, -cfg.unkpen)
+    beam_stop = cfg.early_stop == "beam"
     for step in range(T - 1):
         # the same arithmetic as beam search with one beam
         top_s, top_lp, _, top_i = next_token_extensions(model, tokens, step, enc, cache, max_len, scores, 1, cfg, sym)
@@ -493,8 +496,8 @@ def greedy_search(model: IncrementalModel, src_tokens: Tensor, src_lengths: Tens
         pick = is_eos[:, :1].long()  # the first non-EOS of the two
         new_s, new_tok, new_lp = top_s.gather(1, pick)[:, 0], top_i.gather(1, pick)[:, 0], top_lp.gather(1, pick)[:, 0]
         done = score_upper_bound(new_s, step + 1, max_len, cfg.lenpen, bonus) <= kth_best
-        if cfg.early_stop == "beam":
-            done |= torch.tensor([finished.count[i] >= 1 for i in sent_ids], device=dev)
+        if beam_stop:  # fairseq's rule with beam 1: EOS is the best extension
+            done |= fin[:, 0]
         if bool(done.any()):
             keep = (~done).nonzero(as_tuple=True)[0]
             if keep.numel() == 0:

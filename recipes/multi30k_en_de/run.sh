@@ -15,6 +15,8 @@
 #   PRECISION         --bf16 (AMX/tensor cores) or --no-bf16 (fp32)       [--bf16]
 #   AVG               how many last epoch checkpoints to average          [5]
 #   TRAIN_LINES       use only the first N training pairs (smoke tests; 0: all)  [0]
+#   EVAL_BLEU         decode the first N valid sentences after each epoch (--eval-bleu), for the valid BLEU
+#                     curve; costs training time (0: off, as in the measured run of docs/results.md)  [0]
 #   EXTRA_TRAIN_ARGS  more `attnmt train` options
 #   GEN_ARGS          more `attnmt generate` options
 set -euo pipefail
@@ -31,6 +33,8 @@ AVG=${AVG:-5}
 TRAIN_LINES=${TRAIN_LINES:-0}
 EXTRA_TRAIN_ARGS=${EXTRA_TRAIN_ARGS:-}
 GEN_ARGS=${GEN_ARGS:-}
+EVAL_BLEU=${EVAL_BLEU:-0}
+BLEU_ARGS=""; [ "$EVAL_BLEU" -gt 0 ] && BLEU_ARGS="--eval-bleu --eval-bleu-max-sentences $EVAL_BLEU"
 
 RAW=$WORK/raw
 BIN=$WORK/data-bin
@@ -58,7 +62,7 @@ log "3/6 train $ARCH for at most $MAX_TIME_MINUTES minutes -> $CKPT"
 attnmt train "$BIN" --arch "$ARCH" --save-dir "$CKPT" $PRECISION --threads "$THREADS" \
   --max-tokens 4096 --lr 1e-3 --warmup-updates 500 --warmup-init-lr 1e-7 --label-smoothing 0.1 \
   --weight-decay 0.0001 --max-time-minutes "$MAX_TIME_MINUTES" --max-update "$MAX_UPDATE" \
-  --keep-last-epochs "$AVG" --seed 1 --log-interval 50 $EXTRA_TRAIN_ARGS
+  --keep-last-epochs "$AVG" --seed 1 --log-interval 50 $BLEU_ARGS $EXTRA_TRAIN_ARGS
 
 log "4/6 average the last $AVG epoch checkpoints"
 N=$(find "$CKPT" -name 'checkpoint[0-9]*.pt' | wc -l)
