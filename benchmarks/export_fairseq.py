@@ -89,26 +89,24 @@ def convert_state(ckpt: dict, pad: int) -> dict:
     out["encoder.embed_positions.weight"] = positions("encoder", cfg["encoder_embed_dim"], cfg["max_source_positions"])
     out["decoder.embed_positions.weight"] = positions("decoder", cfg["decoder_embed_dim"], cfg["max_target_positions"])
     out["encoder.version"] = out["decoder.version"] = torch.tensor([3.0])
+
+    def self_attention_and_ffn(layer: str) -> None:  # what encoder and decoder layers share (same prefix)
+        split(f"{layer}.self_attn", f"{layer}.self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj"))
+        copy(f"{layer}.self_attn.out_proj", f"{layer}.self_attn.out_proj")
+        copy(f"{layer}.self_attn_layer_norm", f"{layer}.self_attn_norm")
+        copy(f"{layer}.fc1", f"{layer}.ffn.fc1")
+        copy(f"{layer}.fc2", f"{layer}.ffn.fc2")
+        copy(f"{layer}.final_layer_norm", f"{layer}.ffn_norm")
+
     for i in range(cfg["encoder_layers"]):
-        a, f = f"encoder.layers.{i}", f"encoder.layers.{i}"
-        split(f"{f}.self_attn", f"{a}.self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj"))
-        copy(f"{f}.self_attn.out_proj", f"{a}.self_attn.out_proj")
-        copy(f"{f}.self_attn_layer_norm", f"{a}.self_attn_norm")
-        copy(f"{f}.fc1", f"{a}.ffn.fc1")
-        copy(f"{f}.fc2", f"{a}.ffn.fc2")
-        copy(f"{f}.final_layer_norm", f"{a}.ffn_norm")
+        self_attention_and_ffn(f"encoder.layers.{i}")
     for i in range(cfg["decoder_layers"]):
-        a, f = f"decoder.layers.{i}", f"decoder.layers.{i}"
-        split(f"{f}.self_attn", f"{a}.self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj"))
-        copy(f"{f}.self_attn.out_proj", f"{a}.self_attn.out_proj")
-        copy(f"{f}.self_attn_layer_norm", f"{a}.self_attn_norm")
-        copy(f"{f}.encoder_attn.q_proj", f"{a}.cross_attn.q_proj")
-        split(f"{f}.encoder_attn", f"{a}.cross_attn.kv_proj", ("k_proj", "v_proj"))
-        copy(f"{f}.encoder_attn.out_proj", f"{a}.cross_attn.out_proj")
-        copy(f"{f}.encoder_attn_layer_norm", f"{a}.cross_attn_norm")
-        copy(f"{f}.fc1", f"{a}.ffn.fc1")
-        copy(f"{f}.fc2", f"{a}.ffn.fc2")
-        copy(f"{f}.final_layer_norm", f"{a}.ffn_norm")
+        layer = f"decoder.layers.{i}"
+        self_attention_and_ffn(layer)
+        copy(f"{layer}.encoder_attn.q_proj", f"{layer}.cross_attn.q_proj")
+        split(f"{layer}.encoder_attn", f"{layer}.cross_attn.kv_proj", ("k_proj", "v_proj"))
+        copy(f"{layer}.encoder_attn.out_proj", f"{layer}.cross_attn.out_proj")
+        copy(f"{layer}.encoder_attn_layer_norm", f"{layer}.cross_attn_norm")
     if cfg["encoder_normalize_before"]:
         copy("encoder.layer_norm", "encoder.final_norm")
         copy("decoder.layer_norm", "decoder.final_norm")
