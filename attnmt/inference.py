@@ -249,8 +249,9 @@ def quantize_int8(model: nn.Module) -> nn.Module:
 def load_generator(path: str | os.PathLike, search_cfg, gen_cfg):
     """(bundle, Generator) for a checkpoint and the user's search and generation configs.
 
-    Sets the CPU thread count, picks the device, and applies ``--quantize int8`` (which runs on the CPU: with
-    ``--device auto`` that is where the model then stays).
+    Sets the CPU thread count, picks the device, applies ``--quantize int8`` (which runs on the CPU: with
+    ``--device auto`` that is where the model then stays) and starts the ``--workers`` decoding processes, which
+    share the ``--threads``; ``generator.close()`` stops them.
     """
     from attnmt.generation.generator import Generator, keep_freed_memory
 
@@ -272,4 +273,6 @@ def load_generator(path: str | os.PathLike, search_cfg, gen_cfg):
     generator = Generator(bundle.model, bundle.symbols, search_cfg, device, bf16=gen_cfg.bf16,
                           max_source_positions=bundle.max_source_positions(),
                           truncate_source=gen_cfg.truncate_source)
+    if gen_cfg.workers > 1:
+        generator.start_workers(gen_cfg.workers, max(1, (gen_cfg.threads or torch.get_num_threads()) // gen_cfg.workers))
     return bundle, generator

@@ -12,6 +12,10 @@ Every engine runs in its own process (so that its peak resident memory is its ow
 bookkeeping); not timed: loading, subword encoding, detokenization. Target tokens are those of the best
 hypothesis, EOS included, as each engine produced them. BLEU is sacreBLEU (13a, cased) of the detokenized output
 against ``--ref`` (default with ``--data-bin``: the binarized target split, decoded back to text).
+attnmt runs once per ``--workers`` count (decoding processes sharing the threads, as CTranslate2's translators
+do); with workers, the memory reported is the sum of the processes' proportional set sizes after the timed runs
+(pages they share, the weights and libraries, counted once; glibc keeps freed memory, so this is close to the
+peak), where a single process reports its peak resident size.
 
 What is the same for every engine: the subword pieces of each source sentence, beam size, the length limit
 (``a * source length + b``; CTranslate2 and fairseq apply it per batch, attnmt per sentence) and the source
@@ -75,13 +79,23 @@ def parse_args(argv=None):
     p.add_argument("--early-stop", default="exact,beam",
                    help="attnmt stopping rules to run, a comma-separated subset of exact,beam (see --early-stop of "
                         "attnmt generate); beam is the rule CTranslate2 and fairseq use")
+    p.add_argument("--workers", default="1,2",
+                   help="attnmt decoding processes to run with, a comma-separated list (see --workers of attnmt "
+                        "generate; the --threads are split between them)")
     p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
     p.add_argument("--worker-early-stop", choices=("exact", "beam"), default="exact", help=argparse.SUPPRESS)
+    p.add_argument("--worker-processes", type=int, default=1, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+
+
+def pss_mb(pid: int) -> float:
+    """A process's proportional set size (shared pages divided among the processes sharing them), Linux."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Pss:")) / 1024.0
 
 
 def summary(name: str, sentences: int, tokens: int, times: list[float], rss: float, hyps: list[str], refs,
@@ -146,12 +160,14 @@ def worker(args) -> dict:
     search_cfg = SearchConfig(beam=args.beam, lenpen=args.lenpen, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
                               early_stop=args.worker_early_stop)
     gen_cfg = GenerationConfig(max_tokens=args.max_tokens, device="cpu", bf16=mode == "bf16",
-                               quantize="int8" if mode == "int8" else "none", threads=args.threads)
+                               quantize="int8" if mode == "int8" else "none", threads=args.threads,
+                               workers=args.worker_processes)
     t0 = time.perf_counter()
     bundle, generator = load_generator(args.path, search_cfg, gen_cfg)
     load_s = time.perf_counter() - t0
     sources, refs = load_data(args, bundle)
-    list(generator.generate(sources[:16], args.max_tokens))  # warm-up: kernels, allocator, caches
+    n = len(generator.pool) if generator.pool is not None else 1
+    list(generator.generate(sources[:16 * n], args.max_tokens, 16))  # warm-up (each worker): kernels, allocator
     times, results = [], []
     for _ in range(args.repeats):
         t = time.perf_counter()
@@ -159,15 +175,23 @@ def worker(args) -> dict:
         times.append(time.perf_counter() - t)
     tokens = sum(len(h[0].tokens) for _, h in results if h)
     hyps = [bundle.detokenize(bundle.target_pieces(h[0].tokens)) if h else "" for _, h in results]
-    return summary(mode, len(sources), tokens, times, peak_rss_mb(), hyps, refs, load_s=round(load_s, 2),
-                   threads=torch.get_num_threads(), config=f"early stop: {args.worker_early_stop}")
+    rss, config = peak_rss_mb(), f"early stop: {args.worker_early_stop}"
+    threads = torch.get_num_threads()
+    if generator.pool is not None:  # see pss_mb
+        rss = sum(pss_mb(pid) for pid in [os.getpid(), *(p.pid for p in generator.pool.procs)])
+        threads = generator.pool.threads
+        config += f", {len(generator.pool)} workers x {threads} thread(s)"
+    generator.close()
+    return summary(mode, len(sources), tokens, times, rss, hyps, refs, load_s=round(load_s, 2), threads=threads,
+                   config=config)
 
 
-def run_mode(mode: str, early_stop: str, argv: list[str]) -> dict:
+def run_mode(mode: str, early_stop: str, workers: int, argv: list[str]) -> dict:
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--worker", mode,
-                           "--worker-early-stop", early_stop], capture_output=True, text=True)
+                           "--worker-early-stop", early_stop, "--worker-processes", str(workers)],
+                          capture_output=True, text=True)
     if proc.returncode != 0:
-        return {"mode": mode, "config": f"early stop: {early_stop}",
+        return {"mode": mode, "config": f"early stop: {early_stop}, {workers} workers",
                 "error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -350,11 +374,18 @@ def main(argv=None) -> None:
     stops = [m.strip() for m in args.early_stop.split(",") if m.strip()]
     if not stops or any(m not in ("exact", "beam") for m in stops):
         sys.exit(f"--early-stop takes exact, beam or both, got {args.early_stop!r}")
+    try:
+        workers = [int(w) for w in args.workers.split(",") if w.strip()]
+    except ValueError:
+        workers = []
+    if not workers or min(workers) < 1:
+        sys.exit(f"--workers takes positive numbers, got {args.workers!r}")
     results = []
-    for stop in stops:
-        for mode in modes:
-            print(f"running attnmt {mode} (early stop: {stop}) ...", file=sys.stderr, flush=True)
-            results.append(run_mode(mode, stop, argv))
+    for n in workers:
+        for stop in stops:
+            for mode in modes:
+                print(f"running attnmt {mode} (early stop: {stop}, {n} workers) ...", file=sys.stderr, flush=True)
+                results.append(run_mode(mode, stop, n, argv))
     if args.ct2_model or args.fairseq_venv:
         from attnmt.inference import load_for_inference
 

@@ -37,6 +37,9 @@ class GenerationConfig:
     quantize: Literal["none", "int8"] = field(default="none", metadata={
         "help": "int8: dynamic int8 quantization of the linear layers (CPU only)."})
     threads: int = field(default=0, metadata={"help": "CPU threads for torch (0: torch's default)."})
+    workers: int = field(default=1, metadata={
+        "help": "Decoding processes on the CPU, each translating whole batches with --threads/N threads; "
+                "2 on 2 cores suits small models (CTranslate2's inter_threads)."})
     truncate_source: bool = field(default=False, metadata={
         "help": "Cut sources longer than the model accepts instead of refusing them."})
 
@@ -47,6 +50,8 @@ class GenerationConfig:
             raise ValueError(f"--batch-size must be positive, got {self.batch_size}")
         if self.threads < 0:
             raise ValueError(f"--threads must not be negative, got {self.threads}")
+        if self.workers < 1:
+            raise ValueError(f"--workers must be positive, got {self.workers}")
         if self.bf16 and self.quantize != "none":
             raise ValueError("--bf16 and --quantize int8 are alternatives; choose one")
 
@@ -152,6 +157,23 @@ class Generator:
         self.max_source_positions = max_source_positions
         self.truncate_source = truncate_source
         self.stats = GenerationStats()
+        self.pool = None  # a WorkerPool once start_workers() ran
+
+    def start_workers(self, workers: int, threads: int) -> None:
+        """Translate batches in ``workers`` forked processes of ``threads`` CPU threads each (see ``workers``)."""
+        from attnmt.generation.workers import WorkerPool
+
+        if self.device.type != "cpu":
+            raise UserError(f"--workers runs several decoding processes on the CPU; on {self.device} use one "
+                            f"(drop --workers)")
+        self.close()
+        self.pool = WorkerPool(self.search_batch, workers, threads)
+
+    def close(self) -> None:
+        """Stop the decoding workers, if any."""
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
 
     def _autocast(self):
         """bf16 autocast for a float32 model (e.g. validation during training); a model already cast to bfloat16
@@ -176,6 +198,24 @@ class Generator:
         with torch.inference_mode(), self._autocast(), _gc_paused():
             return search(self.model, tokens, lengths, self.search_cfg, self.symbols, sample_ids)
 
+    def _search_batches(self, checked: list[list[int]], batches: list[list[int]],
+                        first_id: int) -> Iterator[tuple[list[int], list[list[Hypothesis]]]]:
+        """``(batch, hypotheses)`` per batch: here one after the other, or by the workers as they finish."""
+        if self.pool is None:
+            for batch in batches:
+                t0 = time.perf_counter()
+                hyps = self.search_batch([checked[i] for i in batch], [first_id + i for i in batch])
+                self.stats.seconds += time.perf_counter() - t0
+                yield batch, hyps
+            return
+        t0 = time.perf_counter()
+        tasks = ((k, [checked[i] for i in b], [first_id + i for i in b]) for k, b in enumerate(batches))
+        for k, hyps in self.pool.map_unordered(tasks):
+            self.stats.seconds += time.perf_counter() - t0  # wall time: the workers search side by side
+            t0 = time.perf_counter()
+            yield batches[k], hyps
+        self.stats.seconds += time.perf_counter() - t0
+
     def generate(self, sources: Sequence[Sequence[int]], max_tokens: int | None = 4096, batch_size: int | None = None,
                  first_id: int = 0, where: str = "input",
                  progress=None) -> Iterator[tuple[int, list[Hypothesis]]]:
@@ -185,12 +225,10 @@ class Generator:
         ``where`` names the input in error messages; ``progress(n)`` is called after each batch of ``n`` sentences.
         """
         checked = [self._check_length(list(map(int, s)), first_id + i, where) for i, s in enumerate(sources)]
+        batches = make_batches([len(s) for s in checked], max_tokens, batch_size)
         pending: dict[int, list[Hypothesis]] = {}
         next_out = 0
-        for batch in make_batches([len(s) for s in checked], max_tokens, batch_size):
-            t0 = time.perf_counter()
-            hyps = self.search_batch([checked[i] for i in batch], [first_id + i for i in batch])
-            self.stats.seconds += time.perf_counter() - t0
+        for batch, hyps in self._search_batches(checked, batches, first_id):
             self.stats.sentences += len(batch)
             self.stats.source_tokens += sum(len(checked[i]) for i in batch)
             self.stats.target_tokens += sum(len(h[0].tokens) for h in hyps if h)
