@@ -85,25 +85,28 @@ def command(data_bin, path, gen_subset, input_path, fmt, output, quiet, **params
         raise UserError(f"give either DATA_BIN ({data_bin}) or --input ({input_path}), not both")
 
     bundle, generator = load_generator(path, search_cfg, gen_cfg)
-    if input_path is not None:
-        where = "stdin" if input_path == "-" else input_path
-        texts = read_lines(input_path, "input")
-        sources, refs = bundle.encode_sources(texts), None
-    else:
-        where = f"{data_bin}/{gen_subset}"
-        sources, refs, texts = _binarized_split(bundle, data_bin, gen_subset)
-
-    progress = Progress(len(sources), "translating", quiet=quiet)
-    sink = atomic_open(output, "w") if output else contextlib.nullcontext(sys.stdout)
     try:
-        with sink as out:
-            for i, hyps in generator.generate(sources, gen_cfg.max_tokens, gen_cfg.batch_size, where=where,
-                                              progress=progress):
-                write_lines(out, format_result(i, hyps, bundle, fmt, source=texts[i],
-                                               reference=refs[i] if refs is not None else None))
-            out.flush()
+        if input_path is not None:
+            where = "stdin" if input_path == "-" else input_path
+            texts = read_lines(input_path, "input")
+            sources, refs = bundle.encode_sources(texts), None
+        else:
+            where = f"{data_bin}/{gen_subset}"
+            sources, refs, texts = _binarized_split(bundle, data_bin, gen_subset)
+
+        progress = Progress(len(sources), "translating", quiet=quiet)
+        sink = atomic_open(output, "w") if output else contextlib.nullcontext(sys.stdout)
+        try:
+            with sink as out:
+                for i, hyps in generator.generate(sources, gen_cfg.max_tokens, gen_cfg.batch_size, where=where,
+                                                  progress=progress):
+                    write_lines(out, format_result(i, hyps, bundle, fmt, source=texts[i],
+                                                   reference=refs[i] if refs is not None else None))
+                out.flush()
+        finally:
+            progress.close()
     finally:
-        progress.close()
+        generator.close()
     if not quiet:
         click.echo(f"attnmt generate: {generator.stats.summary(time.perf_counter() - start)}", err=True)
 

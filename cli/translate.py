@@ -103,13 +103,16 @@ def command(path, buffer_size, fmt, quiet, **params):
                    f"(Ctrl-D ends)", err=True)
     first = 0
     out = sys.stdout
-    for lines in line_batches(sys.stdin, buffer_size):
-        sources = bundle.encode_sources(lines)
-        for i, hyps in generator.generate(sources, gen_cfg.max_tokens, gen_cfg.batch_size, first_id=first,
-                                          where="stdin"):
-            write_lines(out, format_result(first + i, hyps, bundle, fmt, source=lines[i]))
-        out.flush()
-        first += len(lines)
+    try:
+        for lines in line_batches(sys.stdin, buffer_size):
+            sources = bundle.encode_sources(lines)
+            for i, hyps in generator.generate(sources, gen_cfg.max_tokens, gen_cfg.batch_size, first_id=first,
+                                              where="stdin"):
+                write_lines(out, format_result(first + i, hyps, bundle, fmt, source=lines[i]))
+            out.flush()
+            first += len(lines)
+    finally:
+        generator.close()
     if not quiet:
         click.echo(f"attnmt translate: {generator.stats.summary(time.perf_counter() - start)}", err=True)
 

@@ -318,6 +318,74 @@ def test_line_batches_answers_without_waiting_for_more_input():
             os.close(w)
 
 
+def _load_workers(ckpt, workers: int, **search):
+    from attnmt.inference import load_generator
+
+    cfg = SearchConfig(**{"max_len_b": 12, **search})
+    return load_generator(ckpt, cfg, GenerationConfig(device="cpu", workers=workers, threads=workers))
+
+
+def test_workers_translate_as_one_process_does(ckpt):
+    """--workers: the same hypotheses and scores, in input order, whichever process translated which batch."""
+    bundle, one = _load(ckpt, beam=4, nbest=2)
+    sources = bundle.encode_sources(SENTENCES * 3)
+    expected = list(one.generate(sources, max_tokens=40))
+    _, gen = _load_workers(ckpt, 2, beam=4, nbest=2)
+    try:
+        assert len(gen.pool) == 2 and gen.pool.threads == 1
+        assert len(make_batches([len(s) for s in sources], 40, None)) > 4
+        got = list(gen.generate(sources, max_tokens=40))
+        assert [i for i, _ in got] == list(range(len(sources)))
+        for (_, h), (_, e) in zip(got, expected):
+            assert [x.tokens for x in h] == [x.tokens for x in e]
+            assert [x.score for x in h] == [x.score for x in e]
+        assert gen.stats.sentences == len(sources) and gen.stats.seconds > 0
+        assert len(gen.pool.peak_rss_mb) == 2  # both workers took batches
+
+        # a run abandoned half-way leaves results behind in the queue; the next run must not pick them up
+        next(iter(gen.generate(sources, max_tokens=40)))
+        again = list(gen.generate(sources[::-1], max_tokens=40))
+        assert [x[1][0].tokens for x in again] == [x[1][0].tokens for x in expected[::-1]]
+    finally:
+        gen.close()
+    assert gen.pool is None
+
+
+def test_workers_report_a_dead_worker_and_refuse_gpus(ckpt):
+    _, gen = _load_workers(ckpt, 2)
+    try:
+        victim = gen.pool.procs[0]
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(10)
+        with pytest.raises(UserError, match=r"decoding worker attnmt-decoder-0 stopped \(exit code -9\).*fewer "
+                                            r"--workers"):
+            list(gen.generate(_bundle_sources(ckpt), max_tokens=20))
+    finally:
+        gen.close()
+    with pytest.raises(UserError, match="--workers runs several decoding processes on the CPU"):
+        Generator(gen.model, gen.symbols, gen.search_cfg, device="meta").start_workers(2, 1)
+    with pytest.raises(ValueError, match="--workers must be positive"):
+        GenerationConfig(workers=0)
+
+
+def _bundle_sources(ckpt) -> list[list[int]]:
+    from attnmt.inference import load_for_inference
+
+    return load_for_inference(ckpt).encode_sources(SENTENCES)
+
+
+def test_cli_generate_and_translate_with_workers(ckpt):
+    stdin = "\n".join(SENTENCES) + "\n"
+    base = ["--path", str(ckpt), "--max-len-b", "12", "--max-tokens", "30"]
+    plain, _ = run_cli(["generate", "--input", "-", *base], stdin)
+    two, err = run_cli(["generate", "--input", "-", *base, "--workers", "2", "--threads", "2"], stdin)
+    assert two == plain and "sentences/s" in err
+    proc = subprocess.run([sys.executable, "-m", "attnmt.cli", "translate", *base, "--workers", "2", "--threads", "2",
+                           "--buffer-size", "5"], input=stdin, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == plain
+
+
 def test_generator_refuses_overlong_sources_with_line_number(ckpt):
     bundle, gen = _load(ckpt)
     too_long = [5] * 100 + [bundle.symbols.eos]

@@ -77,6 +77,7 @@ class WorkerPool:
         """``(key, hypotheses)`` for every task, in the order the workers finish them."""
         if not self.procs:
             raise RuntimeError("the decoding workers were stopped")
+        self._check_alive()
         self._run += 1
         run, pending = self._run, 0
         for key, sources, ids in tasks:
