@@ -187,31 +187,8 @@ def check_data_dir(bundle: InferenceBundle, data_bin: str | os.PathLike) -> None
                             f"translate raw text with --input")
 
 
-class PackedLinear(nn.Module):
-    """An ``nn.Linear`` for bf16 inference on the CPU with its weight reordered once into oneDNN's blocked layout.
-
-    ``nn.Linear`` repacks its weight for every product; a decoding step is dozens of small products (a few
-    hundred rows), for which that packing is a large share: with the weight packed once, oneDNN's inner product
-    (``torch.ops.mkldnn._linear_pointwise``, what PyTorch's compiler emits for CPU linear layers) was 10-45%
-    faster on the decoder's shapes, with bitwise the same results. ``weight`` and ``bias`` stay as they were.
-    """
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight, self.bias = linear.weight, linear.bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != self.packed.dtype:
-            return nn.functional.linear(x, self.weight, self.bias)
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed, self.bias, "none", [],
-                                               "")
-        return y.view(*x.shape[:-1], self.out_features)
-
-
 def pack_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` of a bf16 CPU model by a :class:`PackedLinear` (in place); returns how many.
+    """Replace every ``nn.Linear`` of a bf16 CPU model by a ``PackedLinear`` (in place); returns how many.
 
     Nothing is replaced where oneDNN or its bf16 support is missing, or for a model that is not bf16 on the CPU.
     """
@@ -225,6 +202,8 @@ def pack_linears(model: nn.Module) -> int:
         return 0
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if type(child) is nn.Linear]
+    from attnmt.models.linear import PackedLinear
+
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child))
     return len(targets)

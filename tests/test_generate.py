@@ -419,3 +419,31 @@ def test_train_then_generate_translates_the_toy_task(tmp_path):
     assert scores["fp32"] > 80, scores
     assert scores["fp32"] >= scores["greedy"] - 1, scores
     assert scores["int8"] > 80, scores  # per-tensor int8 weights cost a tiny d=32 model a few points
+
+
+def test_packed_linears_compute_what_the_bf16_model_computes():
+    """bf16 inference on the CPU swaps nn.Linear for oneDNN-packed layers (ReLU fused in the feed-forward)."""
+    from attnmt.inference import pack_linears
+    from attnmt.models.linear import PackedLinear, apply_linear
+    from attnmt.models.transformer import TransformerConfig, TransformerModel
+
+    registry.load_builtins()
+    if not pack_linears(torch.nn.Sequential(torch.nn.Linear(4, 4).to(torch.bfloat16))):
+        pytest.skip("no oneDNN bf16 support on this CPU")
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 96).to(torch.bfloat16)
+    x = torch.randn(2, 37, 64).to(torch.bfloat16)
+    packed = PackedLinear(lin)
+    with torch.inference_mode():
+        assert torch.equal(packed(x), lin(x))
+        assert torch.equal(apply_linear(packed, x, relu=True), torch.relu(lin(x)))
+    cfg = TransformerConfig(encoder_layers=2, decoder_layers=2, encoder_embed_dim=32, decoder_embed_dim=32,
+                            encoder_ffn_embed_dim=64, decoder_ffn_embed_dim=64, encoder_attention_heads=4,
+                            decoder_attention_heads=4, dropout=0.0)
+    model = TransformerModel.build(cfg, 50, 50, 1, joint_vocab=False).eval().to(torch.bfloat16)
+    src, prev = torch.randint(4, 50, (3, 9)), torch.randint(4, 50, (3, 7))
+    with torch.inference_mode():
+        ref = model(src, torch.full((3,), 9), prev)
+        assert pack_linears(model) == sum(type(m) is PackedLinear for m in model.modules()) > 10
+        out = model(src, torch.full((3,), 9), prev)
+    assert torch.equal(out, ref)
