@@ -362,6 +362,14 @@ def test_workers_report_a_dead_worker_and_refuse_gpus(ckpt):
             list(gen.generate(_bundle_sources(ckpt), max_tokens=20))
     finally:
         gen.close()
+    # an error inside a worker's search comes back with its traceback; the busy workers are stopped at once
+    gen.search_batch = lambda sources, ids: 1 / 0
+    gen.start_workers(2, 1)
+    with pytest.raises(RuntimeError, match=r"(?s)decoding worker \d+ failed.*ZeroDivisionError"):
+        list(gen.generate(_bundle_sources(ckpt), max_tokens=20))
+    procs = gen.pool.procs
+    gen.close()
+    assert not any(p.is_alive() for p in procs)
     with pytest.raises(UserError, match="--workers runs several decoding processes on the CPU"):
         Generator(gen.model, gen.symbols, gen.search_cfg, device="meta").start_workers(2, 1)
     with pytest.raises(ValueError, match="--workers must be positive"):

@@ -64,6 +64,7 @@ class WorkerPool:
         self.tasks, self.results = ctx.Queue(), ctx.Queue()
         self.threads = threads
         self._run = 0  # numbers each map_unordered call: results of an abandoned earlier call are dropped
+        self._pending = 0  # tasks sent whose results have not come back
         self.peak_rss_mb: dict[int, float] = {}
         self.procs = [ctx.Process(target=_work, args=(search_batch, threads, self.tasks, self.results),
                                   name=f"attnmt-decoder-{i}", daemon=True) for i in range(workers)]
@@ -83,6 +84,7 @@ class WorkerPool:
         for key, sources, ids in tasks:
             self.tasks.put(((run, key), sources, ids))
             pending += 1
+            self._pending += 1
         while pending:
             try:
                 (task_run, key), hyps, error, pid, rss = self.results.get(timeout=1.0)
@@ -90,6 +92,7 @@ class WorkerPool:
                 self._check_alive()
                 continue
             self.peak_rss_mb[pid] = max(self.peak_rss_mb.get(pid, 0.0), rss)
+            self._pending -= 1
             if task_run != run:
                 continue
             pending -= 1
@@ -105,12 +108,18 @@ class WorkerPool:
                                 f"memory; run with fewer --workers or a smaller --max-tokens")
 
     def close(self) -> None:
-        """Stop the workers (idempotent)."""
-        for p in self.procs:
-            if p.is_alive():
-                self.tasks.put(None)
+        """Stop the workers (idempotent): at once if work is still queued (an error, Ctrl-C, a closed pipe),
+        else after they have read the end of the queue."""
+        if self._pending:
+            for p in self.procs:
+                p.terminate()
+        else:
+            for p in self.procs:
+                if p.is_alive():
+                    self.tasks.put(None)
         for p in self.procs:
             p.join(timeout=5)
             if p.is_alive():
-                p.terminate()
+                p.kill()
+                p.join()
         self.procs = []
