@@ -18,6 +18,7 @@ from torch import nn
 
 from attnmt.errors import UserError
 from attnmt.generation.search import Symbols
+from attnmt.models.linear import PackedLinear
 
 BUNDLE_FILE = "model.pt"
 
@@ -202,8 +203,6 @@ def pack_linears(model: nn.Module) -> int:
         return 0
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if type(child) is nn.Linear]
-    from attnmt.models.linear import PackedLinear
-
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child))
     return len(targets)
@@ -253,5 +252,8 @@ def load_generator(path: str | os.PathLike, search_cfg, gen_cfg):
                           max_source_positions=bundle.max_source_positions(),
                           truncate_source=gen_cfg.truncate_source)
     if gen_cfg.workers > 1:
-        generator.start_workers(gen_cfg.workers, max(1, (gen_cfg.threads or torch.get_num_threads()) // gen_cfg.workers))
+        from attnmt.generation.workers import spawn_loader
+
+        each = max(1, (gen_cfg.threads or torch.get_num_threads()) // gen_cfg.workers)
+        generator.start_workers(gen_cfg.workers, each, spawn_loader(path, search_cfg, gen_cfg, each))
     return bundle, generator

@@ -318,11 +318,11 @@ def test_line_batches_answers_without_waiting_for_more_input():
             os.close(w)
 
 
-def _load_workers(ckpt, workers: int, **search):
+def _load_workers(ckpt, workers: int, threads: int | None = None, **search):
     from attnmt.inference import load_generator
 
     cfg = SearchConfig(**{"max_len_b": 12, **search})
-    return load_generator(ckpt, cfg, GenerationConfig(device="cpu", workers=workers, threads=workers))
+    return load_generator(ckpt, cfg, GenerationConfig(device="cpu", workers=workers, threads=threads or workers))
 
 
 def test_workers_translate_as_one_process_does(ckpt):
@@ -374,6 +374,35 @@ def test_workers_report_a_dead_worker_and_refuse_gpus(ckpt):
         Generator(gen.model, gen.symbols, gen.search_cfg, device="meta").start_workers(2, 1)
     with pytest.raises(ValueError, match="--workers must be positive"):
         GenerationConfig(workers=0)
+
+
+def test_workers_of_several_threads_load_their_own_model(ckpt, tmp_path):
+    """Workers of 2 threads each are spawned (a forked child hangs in its first multi-threaded OpenMP region once
+    the parent has run one), after the parent has run such regions itself."""
+    from attnmt.generation.workers import WorkerPool, spawn_loader
+
+    torch.set_num_threads(2)
+    torch.randn(512, 512).exp().sum()  # a multi-threaded OpenMP region in this process
+    bundle, one = _load(ckpt, beam=4)
+    sources = bundle.encode_sources(SENTENCES * 2)
+    expected = [h[0].tokens for _, h in one.generate(sources, max_tokens=40)]
+    old = signal.signal(signal.SIGALRM, lambda *a: pytest.fail("workers of several threads hung"))
+    signal.alarm(300)
+    try:
+        bundle, gen = _load_workers(ckpt, 2, beam=4, threads=4)
+        try:
+            assert gen.pool.threads == 2
+            assert [h[0].tokens for _, h in gen.generate(sources, max_tokens=40)] == expected
+        finally:
+            gen.close()
+        missing = spawn_loader(tmp_path / "missing.pt", gen.search_cfg, GenerationConfig(device="cpu"), 2)
+        with pytest.raises(UserError, match=r"could not load the model: .*no such checkpoint"):
+            WorkerPool(gen.search_batch, 2, 2, missing)
+        with pytest.raises(ValueError, match="load="):
+            WorkerPool(gen.search_batch, 2, 2)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def _bundle_sources(ckpt) -> list[list[int]]:

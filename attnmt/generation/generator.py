@@ -159,15 +159,16 @@ class Generator:
         self.stats = GenerationStats()
         self.pool = None  # a WorkerPool once start_workers() ran
 
-    def start_workers(self, workers: int, threads: int) -> None:
-        """Translate batches in ``workers`` forked processes of ``threads`` CPU threads each (see ``workers``)."""
+    def start_workers(self, workers: int, threads: int, load=None) -> None:
+        """Translate batches in ``workers`` processes of ``threads`` CPU threads each (``attnmt.generation.workers``;
+        ``load``: how a worker of several threads loads its own copy, needed for those)."""
         from attnmt.generation.workers import WorkerPool
 
         if self.device.type != "cpu":
             raise UserError(f"--workers runs several decoding processes on the CPU; on {self.device} use one "
                             f"(drop --workers)")
         self.close()
-        self.pool = WorkerPool(self.search_batch, workers, threads)
+        self.pool = WorkerPool(self.search_batch, workers, threads, load)
 
     def close(self) -> None:
         """Stop the decoding workers, if any."""
