@@ -8,7 +8,6 @@ directory it was trained from, and with exactly the segmentation the training da
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,6 @@ from torch import nn
 
 from attnmt.errors import UserError
 from attnmt.generation.search import Symbols
-from attnmt.models.linear import PackedLinear
 
 BUNDLE_FILE = "model.pt"
 
@@ -188,67 +186,32 @@ def check_data_dir(bundle: InferenceBundle, data_bin: str | os.PathLike) -> None
                             f"translate raw text with --input")
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` of a bf16 CPU model by a ``PackedLinear`` (in place); returns how many.
-
-    Nothing is replaced where oneDNN or its bf16 support is missing, or for a model that is not bf16 on the CPU.
-    """
-    p = next(model.parameters())
-    try:
-        ok = (p.device.type == "cpu" and p.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-              and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        ok = False
-    if not ok:
-        return 0
-    targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if type(child) is nn.Linear]
-    for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
-    return len(targets)
-
-
-def quantize_int8(model: nn.Module) -> nn.Module:
-    """Dynamic int8 quantization of every ``nn.Linear``: int8 weights with one scale per output row (per-channel,
-    more accurate than one scale per matrix at the same speed), activations quantized on the fly; CPU only.
-
-    torch 2.x marks ``torch.ao.quantization`` deprecated in favour of torchao but still ships it; the warnings are
-    silenced here because the user asked for exactly this.
-    """
-    if next(model.parameters()).device.type != "cpu":
-        raise UserError("--quantize int8 runs on the CPU only; add --device cpu")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
-
-        return quantize_dynamic(model, {nn.Linear: per_channel_dynamic_qconfig}).eval()
-
-
 def load_generator(path: str | os.PathLike, search_cfg, gen_cfg):
     """(bundle, Generator) for a checkpoint and the user's search and generation configs.
 
-    Sets the CPU thread count, picks the device, applies ``--quantize int8`` (which runs on the CPU: with
-    ``--device auto`` that is where the model then stays) and starts the ``--workers`` decoding processes, which
-    share the ``--threads``; ``generator.close()`` stops them.
+    Sets the CPU thread count, picks the device and the precision, lets the device's backend prepare the model
+    (bf16 cast and packed weights, or ``--quantize int8``, which runs on the CPU: with ``--device auto`` that is
+    where the model then stays) and starts the ``--workers`` decoding processes, which share the ``--threads``;
+    ``generator.close()`` stops them. Process-wide settings are the caller's (``attnmt.backends.configure_process``
+    in the commands).
     """
-    from attnmt.generation.generator import Generator, keep_freed_memory
+    from attnmt.backends import backend_for, resolve_precision
+    from attnmt.generation.generator import Generator
 
-    keep_freed_memory()
     if gen_cfg.threads:
         torch.set_num_threads(gen_cfg.threads)
     if gen_cfg.quantize == "int8":
         if gen_cfg.device not in ("auto", "cpu"):
             raise UserError(f"--quantize int8 runs on the CPU only; drop --device {gen_cfg.device} or --quantize")
         device = torch.device("cpu")
+        precision = "fp32"  # int8 weights, fp32 activations
     else:
         device = resolve_device(gen_cfg.device)
+        precision = resolve_precision(gen_cfg.precision, device, mode="generate")
+    backend = backend_for(device, precision)
     bundle = load_for_inference(path, device)
-    if gen_cfg.quantize == "int8":
-        bundle.model = quantize_int8(bundle.model)
-    elif gen_cfg.bf16:
-        bundle.model = bundle.model.to(torch.bfloat16)  # once, instead of autocast casting at every step
-        pack_linears(bundle.model)
-    generator = Generator(bundle.model, bundle.symbols, search_cfg, device, bf16=gen_cfg.bf16,
+    bundle.model = backend.prepare_inference(bundle.model, gen_cfg.quantize)
+    generator = Generator(bundle.model, bundle.symbols, search_cfg, device, precision=precision,
                           max_source_positions=bundle.max_source_positions(),
                           truncate_source=gen_cfg.truncate_source)
     if gen_cfg.workers > 1:

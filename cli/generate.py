@@ -71,6 +71,7 @@ def command(data_bin, path, gen_subset, input_path, fmt, output, quiet, **params
     attnmt generate --path model.pt --input test.en | attnmt score --ref test.de
     attnmt generate data-bin/multi30k --path model.pt --format fairseq --beam 5 --nbest 5
     """
+    from attnmt.backends import configure_process
     from attnmt.fileio import atomic_open
     from attnmt.generation.generator import Progress, format_result, write_lines
     from attnmt.inference import load_generator
@@ -84,6 +85,7 @@ def command(data_bin, path, gen_subset, input_path, fmt, output, quiet, **params
     if input_path is not None and data_bin is not None:
         raise UserError(f"give either DATA_BIN ({data_bin}) or --input ({input_path}), not both")
 
+    configure_process("generate", gen_cfg.device)  # allocator settings for decoding (attnmt/backends)
     bundle, generator = load_generator(path, search_cfg, gen_cfg)
     try:
         if input_path is not None:

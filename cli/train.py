@@ -19,6 +19,7 @@ from pathlib import Path
 import click
 
 from attnmt import registry
+from attnmt.backends import configure_process
 from attnmt.config import add_options, given_options, make_config, option_name, split_given
 from attnmt.errors import UserError
 from attnmt.training import distributed
@@ -85,6 +86,7 @@ def _callback(data_bin: str, arch: str, **params) -> None:
         lr_scheduler=names["lr_scheduler"],
         lr_scheduler_cfg=cfg("lr_scheduler", f"--lr-scheduler {names['lr_scheduler']}"),
     )
+    configure_process("train", "cpu" if train_cfg.cpu else "auto")  # allocator and oneDNN settings (attnmt/backends)
     try:
         summary = train(data_bin, setup, train_cfg, dist_cfg=dist_cfg)
     except FloatingPointError as e:

@@ -89,14 +89,16 @@ def command(path, buffer_size, fmt, quiet, **params):
 
     \b
     echo "A man is riding a bike." | attnmt translate --path checkpoints/checkpoint_best.pt
-    attnmt translate --path model.pt --beam 5 --bf16 < input.en > output.de
+    attnmt translate --path model.pt --beam 5 --precision auto < input.en > output.de
     """
+    from attnmt.backends import configure_process
     from attnmt.cli.generate import configs
     from attnmt.generation.generator import format_result, write_lines
     from attnmt.inference import load_generator
 
     start = time.perf_counter()
     search_cfg, gen_cfg = configs(params)
+    configure_process("generate", gen_cfg.device)  # allocator settings for decoding (attnmt/backends)
     bundle, generator = load_generator(path, search_cfg, gen_cfg)
     if sys.stdin.isatty() and not quiet:
         click.echo(f"attnmt translate: {bundle.source_lang}->{bundle.target_lang}, type a sentence per line "

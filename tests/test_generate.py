@@ -143,21 +143,19 @@ def test_make_batches_respects_limits():
     assert [7] in batches  # longer than --max-tokens alone: a batch of its own
 
 
+@pytest.mark.precision
 def test_int8_quantization_and_bf16_stay_close(ckpt):
-    from attnmt.inference import load_for_inference, quantize_int8
+    from attnmt.backends import backend_for
+    from attnmt.inference import load_for_inference
 
     bundle = load_for_inference(ckpt)
     src = torch.tensor([bundle.encode_source(SENTENCES[0])])
     prev = torch.tensor([[bundle.symbols.eos] + bundle.encode_source(SENTENCES[1])])
     with torch.no_grad():
         ref = bundle.model(src, torch.tensor([src.size(1)]), prev)
-        q = quantize_int8(bundle.model)(src, torch.tensor([src.size(1)]), prev)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             bf = bundle.model(src, torch.tensor([src.size(1)]), prev).float()
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
-
-    kinds = [type(m) for m in quantize_int8(bundle.model).modules()]
-    assert DynamicLinear in kinds and torch.nn.Linear not in kinds
+        q = backend_for("cpu").prepare_inference(bundle.model, "int8")(src, torch.tensor([src.size(1)]), prev)
     scale = ref.abs().max()
     assert float((q - ref).abs().max() / scale) < 0.1
     assert float((bf - ref).abs().max() / scale) < 0.1
@@ -249,6 +247,7 @@ def test_cli_generate_binarized_split(ckpt, tmp_path):
         run_cli(["generate", str(data_bin), "--path", str(ckpt)])
 
 
+@pytest.mark.precision
 def test_cli_options_and_errors(ckpt, tmp_path):
     stdin = "\n".join(SENTENCES[:5]) + "\n"
     base = ["generate", "--path", str(ckpt), "--input", "-", "--max-len-b", "8"]
@@ -256,7 +255,7 @@ def test_cli_options_and_errors(ckpt, tmp_path):
     a, _ = run_cli(base + ["--sampling", "--seed", "3", "--max-tokens", "8"], stdin)
     b, _ = run_cli(base + ["--sampling", "--seed", "3"], stdin)
     assert a == b and len(a.splitlines()) == 5
-    bf, _ = run_cli(base + ["--bf16"], stdin)
+    bf, _ = run_cli(base + ["--precision", "auto"], stdin)
     q, _ = run_cli(base + ["--quantize", "int8", "--threads", "1"], stdin)
     assert len(bf.splitlines()) == len(q.splitlines()) == 5
     long_line = " ".join(["water"] * 100)
@@ -458,29 +457,10 @@ def test_train_then_generate_translates_the_toy_task(tmp_path):
     assert scores["int8"] > 80, scores  # per-tensor int8 weights cost a tiny d=32 model a few points
 
 
-def test_packed_linears_compute_what_the_bf16_model_computes():
-    """bf16 inference on the CPU swaps nn.Linear for oneDNN-packed layers (ReLU fused in the feed-forward)."""
-    from attnmt.inference import pack_linears
-    from attnmt.models.linear import PackedLinear, apply_linear
-    from attnmt.models.transformer import TransformerConfig, TransformerModel
-
-    registry.load_builtins()
-    if not pack_linears(torch.nn.Sequential(torch.nn.Linear(4, 4).to(torch.bfloat16))):
-        pytest.skip("no oneDNN bf16 support on this CPU")
-    torch.manual_seed(0)
-    lin = torch.nn.Linear(64, 96).to(torch.bfloat16)
-    x = torch.randn(2, 37, 64).to(torch.bfloat16)
-    packed = PackedLinear(lin)
-    with torch.inference_mode():
-        assert torch.equal(packed(x), lin(x))
-        assert torch.equal(apply_linear(packed, x, relu=True), torch.relu(lin(x)))
-    cfg = TransformerConfig(encoder_layers=2, decoder_layers=2, encoder_embed_dim=32, decoder_embed_dim=32,
-                            encoder_ffn_embed_dim=64, decoder_ffn_embed_dim=64, encoder_attention_heads=4,
-                            decoder_attention_heads=4, dropout=0.0)
-    model = TransformerModel.build(cfg, 50, 50, 1, joint_vocab=False).eval().to(torch.bfloat16)
-    src, prev = torch.randint(4, 50, (3, 9)), torch.randint(4, 50, (3, 7))
-    with torch.inference_mode():
-        ref = model(src, torch.full((3,), 9), prev)
-        assert pack_linears(model) == sum(type(m) is PackedLinear for m in model.modules()) > 10
-        out = model(src, torch.full((3,), 9), prev)
-    assert torch.equal(out, ref)
+@pytest.mark.precision
+def test_generate_bf16_without_native_bf16_is_a_one_line_error(ckpt, no_native_bf16):
+    base = ["generate", "--path", str(ckpt), "--input", "-", "--max-len-b", "8"]
+    with pytest.raises(UserError, match=r"--bf16: no native bf16 on this CPU \(ATTNMT_CPU_BF16=0 is set\)"):
+        run_cli(base + ["--bf16"], SENTENCES[0] + "\n")
+    out, _ = run_cli(base + ["--precision", "auto"], SENTENCES[0] + "\n")  # fp32 here
+    assert len(out.splitlines()) == 1

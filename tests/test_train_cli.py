@@ -45,11 +45,17 @@ def test_short_run_loss_falls_and_jsonl_has_the_fields(tmp_path, capsys):
     assert summary["best"] == min(v["loss"] for v in valid)
 
 
-def test_bf16_run_and_max_epoch(tmp_path):
+@pytest.mark.precision
+def test_automatic_precision_run_and_max_epoch(tmp_path):
+    """--precision auto: bf16 (fused oneDNN layers) where the CPU runs it natively, fp32 elsewhere."""
+    from conftest import NATIVE_BF16
+
     data = make_data_bin(tmp_path / "bin", n_train=64)
     ck = tmp_path / "ck"
     main(["train", str(data), *TINY_MODEL, "--save-dir", str(ck), "--max-tokens", "256", "--max-epoch", "2",
-          "--bf16", "--progress", "none", "--update-freq", "2", "--clip-norm", "0.5"])
+          "--precision", "auto", "--progress", "none", "--update-freq", "2", "--clip-norm", "0.5"])
+    start = _records(ck, "start")[0]
+    assert start["precision"] == ("bf16" if NATIVE_BF16 else "fp32") and start["hardware"], start
     s = _records(ck, "summary")[-1]
     assert s["stop_reason"] == "max_epoch" and s["epoch"] == 2
     c = torch.load(ck / "checkpoint_last.pt", weights_only=True)
@@ -78,6 +84,7 @@ def _run_cli(*args):
      "--label-smoothing does not apply to the chosen components"),
     (["--warmup-updates", "10", "--lr-scheduler", "fixed"], "it is an option of lr scheduler inverse_sqrt"),
     (["--bf16", "--fp16"], "--bf16 and --fp16 exclude each other"),
+    (["--bf16", "--precision", "fp16"], "--bf16 and --precision fp16 disagree"),
     (["--optimizer", "lamb"], "unknown optimizer 'lamb'; valid choices: adam"),
     (["--best-checkpoint-metric", "bleu"], "--best-checkpoint-metric bleu needs --eval-bleu"),
 ])
@@ -120,3 +127,12 @@ def test_time_limits_stop_and_save(tmp_path):
     main(["train", str(data), *TINY_MODEL, "--save-dir", str(ck), "--max-tokens", "256", "--max-epoch", "5",
           "--max-time-minutes", "1e-6", "--progress", "none"])
     assert _records(ck, "summary")[-1]["num_updates"] == 1
+
+
+@pytest.mark.precision
+def test_bf16_without_native_bf16_is_a_one_line_error(tmp_path, no_native_bf16):
+    data = make_data_bin(tmp_path / "bin", n_train=16)
+    code, err = _run_cli(data, *TINY_MODEL, "--save-dir", tmp_path / "ck", "--max-update", "1", "--bf16")
+    assert code == 1 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert "--bf16: no native bf16 on this CPU (ATTNMT_CPU_BF16=0 is set)" in err and "--precision auto" in err, err
+    assert not (tmp_path / "ck" / "checkpoint_last.pt").exists()

@@ -87,6 +87,7 @@ def test_cross_entropy_equals_torch_and_zero_smoothing():
     assert torch.allclose(ls0, ref)
 
 
+@pytest.mark.precision
 def test_loss_is_fp32_under_bf16_autocast():
     logits = torch.randn(2, 3, 8, dtype=torch.bfloat16)
     target = torch.tensor([[3, 4, 2], [5, 2, PAD]])
@@ -129,6 +130,7 @@ def test_fused_loss_gradient_equals_autograd_reference(eps):
     assert torch.count_nonzero(logits.grad[[1, 7]]) == 0  # padding rows get no gradient
 
 
+@pytest.mark.precision
 def test_fused_loss_on_bf16_logits_gives_bf16_gradient_close_to_fp32():
     from attnmt.criterions import smoothed_cross_entropy
 

@@ -142,6 +142,7 @@ def test_blocked_loss_matches_reference_across_blocks(monkeypatch, dtype):
     assert torch.allclose(logits.grad.float(), ref.grad, atol=tol)
 
 
+@pytest.mark.precision
 def test_bf16_autocast_keeps_the_residual_stream_in_bf16_and_close_to_fp32():
     model = _model().eval()
     b = _batch()
@@ -158,23 +159,6 @@ def test_bf16_autocast_keeps_the_residual_stream_in_bf16_and_close_to_fp32():
     assert (F.log_softmax(low, -1) - F.log_softmax(ref, -1))[keep].abs().max() < 0.1
 
 
-def test_cpu_runtime_settings_apply_once_and_respect_the_user(tmp_path):
-    import subprocess
-    import sys
-
-    code = ("import os, json; os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'] = '77'\n"
-            "from attnmt.training.cpu_runtime import tune_cpu_runtime\n"
-            "first = tune_cpu_runtime(); second = tune_cpu_runtime()\n"
-            "print(json.dumps([first, second, os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY']]))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    import json
-
-    first, second, capacity = json.loads(out)
-    assert first["onednn_primitive_cache_capacity"] == "77" and capacity == "77" and second == {}
-    if sys.platform.startswith("linux"):
-        assert first["malloc_keep_freed"] is True
-
-
 @pytest.mark.parametrize("causal", [False, True])
 def test_plain_attention_equals_sdpa(causal):
     from attnmt.models.transformer import plain_attention
@@ -189,10 +173,9 @@ def test_plain_attention_equals_sdpa(causal):
     assert torch.allclose(plain_attention(q, k, v, mask, causal, 0.0), ref, atol=1e-12)
 
 
-def test_math_backend_on_cpu_runs_the_plain_kernel_with_the_same_result():
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
+def test_cpu_attention_math_runs_the_plain_kernel_with_the_same_result():
     import attnmt.models.transformer as T
+    from attnmt.backends import backend_for
 
     model = _model().eval()
     b = _batch()
@@ -208,14 +191,15 @@ def test_math_backend_on_cpu_runs_the_plain_kernel_with_the_same_result():
         ref = model(net["src_tokens"], net["src_lengths"], net["prev_output_tokens"])
         T.plain_attention = counting
         try:
-            with sdpa_kernel([SDPBackend.MATH]):
-                out = model(net["src_tokens"], net["src_lengths"], net["prev_output_tokens"])
+            backend_for("cpu").prepare_training(model, "math")
+            out = model(net["src_tokens"], net["src_lengths"], net["prev_output_tokens"])
         finally:
             T.plain_attention = original
     assert len(calls) == 2 * 1 + 2 * 2  # encoder self-attention, decoder self- and cross-attention, 2 layers
     assert torch.allclose(out, ref, atol=1e-5)
 
 
+@pytest.mark.precision
 @pytest.mark.parametrize("bf16", [False, True])
 def test_projected_loss_equals_projection_then_loss_with_nll_gradient(monkeypatch, bf16):
     """The fused projection + loss gives the reference values and gradients, also for the NLL output and over
@@ -255,50 +239,3 @@ def test_projected_loss_without_gradients_keeps_nothing_large():
         loss, nll = projected_smoothed_cross_entropy(h, w, t, 0.1)
     ref, ref_nll = smoothed_cross_entropy(h @ w.t(), t, -1, 0.1)
     assert torch.allclose(loss, ref) and torch.allclose(nll, ref_nll)
-
-
-@pytest.mark.parametrize("relu", [False, True])
-@pytest.mark.parametrize("bias", [False, True])
-def test_fused_linear_equals_nn_linear_under_bf16_autocast(relu, bias):
-    from attnmt.models import linear as L
-
-    if not L._AVAILABLE:
-        pytest.skip("this torch has no oneDNN inner product")
-    torch.manual_seed(9)
-    layer = torch.nn.Linear(16, 24, bias=bias)
-    x = torch.randn(3, 5, 16, requires_grad=True)
-    g = torch.randn(3, 5, 24)
-    outs, grads = [], []
-    for fused in (True, False):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = L.apply_linear(layer, x, relu) if fused else layer(x)
-            y = y if fused or not relu else torch.relu(y)
-        y.float().backward(g)
-        outs.append(y)
-        grads.append([t.grad.clone() for t in (x, layer.weight, layer.bias) if t is not None])
-        for t in (x, layer.weight, layer.bias):
-            if t is not None:
-                t.grad = None
-    assert outs[0].dtype == torch.bfloat16 and torch.equal(outs[0], outs[1])
-    for a, b in zip(*grads):  # the weight gradient may be summed in another order (bf16 products)
-        assert a.dtype == b.dtype and torch.allclose(a, b, rtol=1e-2, atol=1e-2 * float(b.abs().max()))
-
-
-def test_linear_outside_bf16_training_calls_the_module():
-    from attnmt.models.linear import apply_linear
-
-    layer = torch.nn.Linear(4, 3)
-    x = torch.randn(2, 4)
-    assert torch.equal(apply_linear(layer, x, relu=True), torch.relu(layer(x)))  # fp32
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        assert torch.equal(apply_linear(layer, x), layer(x))  # no gradients recorded
-
-
-@pytest.mark.parametrize("n, k", [(64, 16), (16, 64), (32, 32)])
-def test_weight_gradient_layouts_give_the_product(n, k):
-    from attnmt.models.linear import _weight_grad
-
-    torch.manual_seed(10)
-    g, x = torch.randn(50, n, dtype=torch.float64), torch.randn(50, k, dtype=torch.float64)
-    out = _weight_grad(g, x)
-    assert out.shape == (n, k) and torch.allclose(out, g.t() @ x)

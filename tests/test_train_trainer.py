@@ -110,9 +110,18 @@ def test_padding_batches_are_skipped_in_one_process():
     assert log["nsentences"] == 3 and t.num_updates == 1
 
 
-def test_bf16_step_runs_and_fp16_needs_cuda():
+@pytest.mark.precision
+@pytest.mark.parametrize("prepared", [False, True])
+def test_bf16_step_runs_and_fp16_needs_cuda(prepared):
+    """bf16 autocast on the plain model, and on the model the backend prepared (oneDNN fused layers where the CPU
+    runs bf16 natively, the plain ones otherwise)."""
+    from attnmt.backends import backend_for
+
     srcs, tgts = _sentences(4, 8), _sentences(4, 9)
-    t = _trainer(_model(), precision="bf16")
+    model = _model()
+    if prepared:
+        backend_for("cpu", "bf16").prepare_training(model)
+    t = _trainer(model, precision="bf16")
     log = t.train_step([_batch(srcs, tgts, range(4))])
     assert torch.isfinite(log["loss"]) and log["loss"].dtype == torch.float32
     assert all(p.dtype == torch.float32 for p in t.model.parameters())  # fp32 master weights

@@ -399,6 +399,7 @@ def test_invalid_configs_are_user_errors(given, message):
 # ---------------------------------------------------------------------------------------------- bfloat16
 
 
+@pytest.mark.precision
 def test_bf16_autocast_is_close_to_fp32():
     model = tiny_model()
     src, src_lengths, prev = batch()

@@ -9,9 +9,7 @@ is done. Output lines are formatted here too (plain text, or fairseq's ``S/T/H/D
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
-import platform
 import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -20,6 +18,7 @@ from typing import Literal
 
 import torch
 
+from attnmt.backends import backend_for
 from attnmt.errors import UserError
 from attnmt.generation.search import Hypothesis, SearchConfig, Symbols, search
 
@@ -32,8 +31,11 @@ class GenerationConfig:
         "help": "Most padded source tokens per batch (the beam multiplies the work); sentences are length-sorted."})
     batch_size: int | None = field(default=None, metadata={"help": "Most sentences per batch (none: no limit)."})
     device: str = field(default="auto", metadata={"help": "auto (cuda when available), cpu, cuda or cuda:N."})
-    bf16: bool = field(default=False, metadata={
-        "help": "bfloat16 autocast (CPU with AMX, or GPU); search scores stay float32."})
+    precision: Literal["auto", "fp32", "bf16"] = field(default="fp32", metadata={
+        "help": "auto: bf16 where the CPU computes it natively (AMX, AVX-512 BF16), fp32 otherwise and on GPUs; "
+                "bf16: the model cast to bfloat16 (an error on a CPU without native bf16); search scores stay "
+                "float32."})
+    bf16: bool = field(default=False, metadata={"help": "fairseq's spelling of --precision bf16."})
     quantize: Literal["none", "int8"] = field(default="none", metadata={
         "help": "int8: dynamic int8 quantization of the linear layers (CPU only)."})
     threads: int = field(default=0, metadata={"help": "CPU threads for torch (0: torch's default)."})
@@ -52,7 +54,11 @@ class GenerationConfig:
             raise ValueError(f"--threads must not be negative, got {self.threads}")
         if self.workers < 1:
             raise ValueError(f"--workers must be positive, got {self.workers}")
-        if self.bf16 and self.quantize != "none":
+        if self.bf16:
+            if self.precision not in ("fp32", "bf16"):
+                raise ValueError(f"--bf16 and --precision {self.precision} disagree; give one of them")
+            self.precision = "bf16"
+        if self.precision == "bf16" and self.quantize != "none":
             raise ValueError("--bf16 and --quantize int8 are alternatives; choose one")
 
 
@@ -105,27 +111,6 @@ class GenerationStats:
                 f"{total}")
 
 
-def keep_freed_memory() -> bool:
-    """Have glibc's malloc keep freed memory for reuse instead of handing it back to the kernel; True if applied.
-
-    A decoding step allocates and frees megabytes of temporaries (activations, logits, attention masks) and the
-    cache compactions move tens of megabytes. By default glibc serves blocks above a dynamic threshold with fresh
-    ``mmap``s and trims the top of the heap as soon as it frees, so the same memory comes back, zero-filled by page
-    faults, at every step: about a seventh of the CPU time of a bf16 beam search over the Multi30k test set went to
-    the kernel. Fixing the mmap threshold at its maximum (32 MiB) and the trim threshold at 1 GiB keeps that memory
-    in the process (the peak resident size is unchanged). Process-wide, so it is applied by the inference entry
-    points (``load_generator``), not by the library. Does nothing outside glibc.
-    """
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
-    return bool(mallopt(m_mmap_threshold, 32 * 1024 * 1024)) and bool(mallopt(m_trim_threshold, 1 << 30))
-
-
 @contextlib.contextmanager
 def _gc_paused():
     """No cyclic garbage collection during a search.
@@ -148,12 +133,13 @@ class Generator:
     """Runs a model's search over id sequences; see the module docstring."""
 
     def __init__(self, model, symbols: Symbols, search_cfg: SearchConfig, device: torch.device | str = "cpu",
-                 bf16: bool = False, max_source_positions: int | None = None, truncate_source: bool = False):
+                 precision: str = "fp32", max_source_positions: int | None = None, truncate_source: bool = False):
+        """``precision``: resolved ("fp32" or "bf16"); a float32 model under "bf16" runs under autocast."""
         self.model = model
         self.symbols = symbols
         self.search_cfg = search_cfg
         self.device = torch.device(device)
-        self.bf16 = bf16
+        self.backend = backend_for(self.device, precision)
         self.max_source_positions = max_source_positions
         self.truncate_source = truncate_source
         self.stats = GenerationStats()
@@ -179,9 +165,9 @@ class Generator:
     def _autocast(self):
         """bf16 autocast for a float32 model (e.g. validation during training); a model already cast to bfloat16
         for inference (``load_generator``) runs as it is."""
-        if not self.bf16 or next(self.model.parameters()).dtype == torch.bfloat16:
+        if next(self.model.parameters()).dtype == self.backend.autocast_dtype:
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return self.backend.autocast()
 
     def _check_length(self, ids: list[int], index: int, where: str) -> list[int]:
         limit = self.max_source_positions
@@ -197,7 +183,8 @@ class Generator:
         tokens, lengths = collate(sources, self.symbols.pad, self.device)
         sample_ids = torch.as_tensor(list(ids), dtype=torch.long, device=self.device)
         with torch.inference_mode(), self._autocast(), _gc_paused():
-            return search(self.model, tokens, lengths, self.search_cfg, self.symbols, sample_ids)
+            return search(self.model, tokens, lengths, self.search_cfg, self.symbols, sample_ids,
+                          row_bucket=self.backend.row_bucket)
 
     def _search_batches(self, checked: list[list[int]], batches: list[list[int]],
                         first_id: int) -> Iterator[tuple[list[int], list[list[Hypothesis]]]]:

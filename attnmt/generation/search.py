@@ -35,15 +35,15 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor
 
-from attnmt.models.incremental import padded_rows
-
 NEG_INF = float("-inf")
+RowBucket = Callable[[int], int]
 
 
 @dataclass
@@ -122,7 +122,8 @@ class Hypothesis:
 class IncrementalModel(Protocol):
     """What the search needs from a model (the Transformer provides it).
 
-    ``new_cache(beam)``: ``decode`` then takes ``beam`` consecutive rows (hypotheses) per sentence of ``enc``.
+    ``new_cache(beam, row_bucket)``: ``decode`` then takes ``beam`` consecutive rows (hypotheses) per sentence of
+    ``enc``, and pads each call's rows to ``row_bucket(rows)`` (None: no padding; the backend's choice).
     ``reorder(enc, cache, new_order, sentences)``: row ``r`` of the next step continues current row
     ``new_order[r]``; ``sentences`` are the current sentences that stay (None: all; with beam 1, where rows are
     sentences, ``new_order`` itself, which may also repeat rows).
@@ -132,7 +133,7 @@ class IncrementalModel(Protocol):
 
     def decode(self, prev_output_tokens: Tensor, enc: Any, cache: Any = None) -> Tensor: ...
 
-    def new_cache(self, beam: int = 1) -> Any: ...
+    def new_cache(self, beam: int = 1, row_bucket: RowBucket | None = None) -> Any: ...
 
     def reorder(self, enc: Any, cache: Any, new_order: Tensor, sentences: Tensor | None = None) -> tuple[Any, Any]: ...
 
@@ -290,7 +291,7 @@ def best_extensions(lprobs: Tensor, scores: Tensor, beam: int,
 
 
 def next_token_extensions(model, tokens: Tensor, step: int, enc, cache, max_len: Tensor, scores: Tensor,
-                          beam: int, cfg: SearchConfig, sym: Symbols) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                          beam: int, cfg: SearchConfig, sym: Symbols, row_bucket: RowBucket | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Decode one step and return ``best_extensions`` of every sentence under the search's rules.
 
     ``tokens`` (R, T): column ``step`` holds each row's newest token; ``max_len`` (R,): per-row limits; ``scores``
@@ -311,8 +312,8 @@ def next_token_extensions(model, tokens: Tensor, step: int, enc, cache, max_len:
     for a in range(0, feats.size(0), rows):
         b = min(a + rows, feats.size(0))
         block = feats[a:b]
-        if b - a < rows:  # the last block: a few row counts only (see attnmt.models.incremental.padded_rows)
-            block = torch.cat([block, block.new_zeros(padded_rows(b - a) - (b - a), block.size(1))])
+        if b - a < rows and row_bucket is not None:  # the last block: the backend's row counts only
+            block = torch.cat([block, block.new_zeros(row_bucket(b - a) - (b - a), block.size(1))])
         lprobs = step_log_probs(model.output_layer(block)[: b - a], step, max_len[a:b], tokens[a:b, 1:step + 1],
                                 cfg, sym, keep_bf16=True)
         parts.append(best_extensions(lprobs, scores[a:b], beam, cfg.unkpen >= 0))
@@ -372,10 +373,10 @@ def _max_target_positions(model) -> int | None:
     return int(mp[1]) if isinstance(mp, (tuple, list)) else int(mp)
 
 
-def _start(model, src_tokens: Tensor, src_lengths: Tensor, copies: int):
+def _start(model, src_tokens: Tensor, src_lengths: Tensor, copies: int, row_bucket: RowBucket | None):
     """Encode once; give every sentence ``copies`` independent rows (samples) of encoder output and cache."""
     enc = model.encode(src_tokens, src_lengths)
-    cache = model.new_cache()
+    cache = model.new_cache(1, row_bucket)
     if copies > 1:
         order = torch.arange(src_tokens.size(0), device=src_tokens.device).repeat_interleave(copies)
         enc, cache = model.reorder(enc, cache, order)
@@ -383,22 +384,23 @@ def _start(model, src_tokens: Tensor, src_lengths: Tensor, copies: int):
 
 
 def search(model: IncrementalModel, src_tokens: Tensor, src_lengths: Tensor, cfg: SearchConfig, sym: Symbols,
-           sample_ids: Tensor | None = None) -> list[list[Hypothesis]]:
+           sample_ids: Tensor | None = None, row_bucket: RowBucket | None = None) -> list[list[Hypothesis]]:
     """Translate a batch of right-padded sources; per sentence, its ``cfg.nbest`` hypotheses, best first.
 
     ``sample_ids`` (one id per sentence, e.g. its input line) seed ``--sampling`` per sentence, so that a sample
-    does not depend on batching; other searches ignore them.
+    does not depend on batching; other searches ignore them. ``row_bucket``: the backend's row padding for the
+    decoder's matrix products (``Backend.row_bucket``; None: none); it never changes a result.
     """
     if cfg.sampling:
-        return sample_search(model, src_tokens, src_lengths, cfg, sym, sample_ids)
+        return sample_search(model, src_tokens, src_lengths, cfg, sym, sample_ids, row_bucket=row_bucket)
     if cfg.beam == 1:
-        return greedy_search(model, src_tokens, src_lengths, cfg, sym)
-    return beam_search(model, src_tokens, src_lengths, cfg, sym)
+        return greedy_search(model, src_tokens, src_lengths, cfg, sym, row_bucket=row_bucket)
+    return beam_search(model, src_tokens, src_lengths, cfg, sym, row_bucket=row_bucket)
 
 
 @torch.inference_mode()
 def beam_search(model: IncrementalModel, src_tokens: Tensor, src_lengths: Tensor, cfg: SearchConfig,
-                sym: Symbols) -> list[list[Hypothesis]]:
+                sym: Symbols, row_bucket: RowBucket | None = None) -> list[list[Hypothesis]]:
     """Beam search with the GNMT length penalty and a per-sentence, exact early stop.
 
     Each step scores all ``beam * vocab`` extensions of a sentence's live hypotheses at once and keeps the best
@@ -409,7 +411,7 @@ def beam_search(model: IncrementalModel, src_tokens: Tensor, src_lengths: Tensor
     dev = src_tokens.device
     B, K = src_tokens.size(0), cfg.beam
     max_len = max_lengths(src_lengths.to(dev), cfg, _max_target_positions(model))
-    enc, cache = model.encode(src_tokens, src_lengths), model.new_cache(K)  # encoder side: once per sentence
+    enc, cache = model.encode(src_tokens, src_lengths), model.new_cache(K, row_bucket)  # encoder: once a sentence
     T = int(max_len.max()) + 2
     tokens = torch.full((B * K, T), sym.eos, dtype=torch.long, device=dev)  # column 0: the decoder's start EOS
     pos_scores = torch.zeros((B * K, T), dtype=torch.float32, device=dev)
@@ -425,7 +427,7 @@ def beam_search(model: IncrementalModel, src_tokens: Tensor, src_lengths: Tensor
     top_eos = torch.zeros(A, dtype=torch.long, device=dev)  # per sentence, for beam_stop
     for step in range(T - 1):
         top_s, top_lp, beam_i, tok = next_token_extensions(model, tokens, step, enc, cache, max_len.repeat_interleave(K),
-                                                           scores.view(-1), K, cfg, sym)  # (A, C) each
+                                                           scores.view(-1), K, cfg, sym, row_bucket)  # (A, C) each
         is_eos = tok == sym.eos
         fin = is_eos & (top_s > NEG_INF)
         if bool(fin.any()):
@@ -462,7 +464,7 @@ def beam_search(model: IncrementalModel, src_tokens: Tensor, src_lengths: Tensor
 
 @torch.inference_mode()
 def greedy_search(model: IncrementalModel, src_tokens: Tensor, src_lengths: Tensor, cfg: SearchConfig,
-                  sym: Symbols) -> list[list[Hypothesis]]:
+                  sym: Symbols, row_bucket: RowBucket | None = None) -> list[list[Hypothesis]]:
     """Beam search with beam 1, without the beam bookkeeping: the same arithmetic, so exactly the same output.
 
     As in beam search, an EOS among the two best extensions finishes a hypothesis and the best non-EOS one stays
@@ -474,7 +476,7 @@ def greedy_search(model: IncrementalModel, src_tokens: Tensor, src_lengths: Tens
     dev = src_tokens.device
     B = src_tokens.size(0)
     max_len = max_lengths(src_lengths.to(dev), cfg, _max_target_positions(model))
-    enc, cache = _start(model, src_tokens, src_lengths, 1)
+    enc, cache = _start(model, src_tokens, src_lengths, 1, row_bucket)
     T = int(max_len.max()) + 2
     tokens = torch.full((B, T), sym.eos, dtype=torch.long, device=dev)
     pos_scores = torch.zeros((B, T), dtype=torch.float32, device=dev)
@@ -486,7 +488,8 @@ def greedy_search(model: IncrementalModel, src_tokens: Tensor, src_lengths: Tens
     beam_stop = cfg.early_stop == "beam"
     for step in range(T - 1):
         # the same arithmetic as beam search with one beam
-        top_s, top_lp, _, top_i = next_token_extensions(model, tokens, step, enc, cache, max_len, scores, 1, cfg, sym)
+        top_s, top_lp, _, top_i = next_token_extensions(model, tokens, step, enc, cache, max_len, scores, 1, cfg, sym,
+                                                        row_bucket)
         is_eos = top_i == sym.eos
         fin = is_eos & (top_s > NEG_INF)
         if bool(fin.any()):
@@ -558,7 +561,7 @@ def _filter_logits(logits: Tensor, topk: int, topp: float) -> Tensor:
 
 @torch.inference_mode()
 def sample_search(model: IncrementalModel, src_tokens: Tensor, src_lengths: Tensor, cfg: SearchConfig, sym: Symbols,
-                  sample_ids: Tensor | None = None) -> list[list[Hypothesis]]:
+                  sample_ids: Tensor | None = None, row_bucket: RowBucket | None = None) -> list[list[Hypothesis]]:
     """Draw ``cfg.beam`` samples per sentence (Gumbel-max over the filtered, tempered distribution).
 
     Randomness is a hash of (``--seed``, sentence id, sample number, step, token), so a sentence's samples are
@@ -569,7 +572,7 @@ def sample_search(model: IncrementalModel, src_tokens: Tensor, src_lengths: Tens
     B, K = src_tokens.size(0), cfg.beam
     ids = torch.arange(B, device=dev) if sample_ids is None else sample_ids.to(dev).long()
     max_len = max_lengths(src_lengths.to(dev), cfg, _max_target_positions(model)).repeat_interleave(K)
-    enc, cache = _start(model, src_tokens, src_lengths, K)
+    enc, cache = _start(model, src_tokens, src_lengths, K, row_bucket)
     R = B * K
     keys = _sample_keys(cfg.seed, ids.repeat_interleave(K), torch.arange(K, device=dev).repeat(B))
     T = int(max_len.max()) + 2

@@ -79,8 +79,10 @@ def load_worker_generator(path: str, search_cfg, gen_cfg, threads: int):
     """What a spawned worker translates with: the checkpoint loaded as ``load_generator`` loads it, one process."""
     from dataclasses import replace
 
+    from attnmt.backends import configure_process
     from attnmt.inference import load_generator
 
+    configure_process("generate", gen_cfg.device)  # a spawned worker is a fresh process
     return load_generator(path, search_cfg, replace(gen_cfg, workers=1, threads=threads))[1]
 
 

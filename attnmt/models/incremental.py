@@ -26,6 +26,8 @@ causal one. Numerically, every row gets the same attention as with a plain per-r
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -33,18 +35,6 @@ from torch import Tensor
 COMPACT_FRACTION = 0.5
 INITIAL_CAPACITY = 16  # positions in the self-attention buffers at first
 CAPACITY_STEP = 8  # when full, they grow to hold at least this many more
-
-
-def padded_rows(n: int) -> int:
-    """``n`` rounded up to one of eight sizes per power of two (a multiple of 8 at least).
-
-    oneDNN compiles a kernel, and keeps it with its buffers, for every matrix shape it meets: as sentences leave
-    a batch the row count of the decoder's products changes almost every step, and building those kernels cost
-    about 0.7 ms and 0.7 MB each (a tenth of the decoding time, hundreds of MB of memory). Rows padded to these
-    sizes (at most 1/8 more work) keep the set of shapes small and reused.
-    """
-    step = max(8, 1 << max(0, n.bit_length() - 4))
-    return -(-n // step) * step
 
 
 def _pad(x: Tensor, rows: int) -> Tensor:
@@ -165,9 +155,10 @@ class DecoderCache:
     encoder output (see the module docstring); ``beam`` 1 means one row per sentence.
     """
 
-    def __init__(self, num_layers: int, beam: int = 1):
+    def __init__(self, num_layers: int, beam: int = 1, row_bucket: Callable[[int], int] | None = None):
         if beam < 1:
             raise ValueError(f"beam must be at least 1, got {beam}")
+        self.row_bucket = row_bucket  # rows -> the row count a decoder call is padded to (None: no padding)
         self.layers = [LayerCache(self) for _ in range(num_layers)]
         self.length = 0
         self.beam = beam
@@ -225,8 +216,11 @@ class DecoderCache:
         self.self_mask = mask
 
     def pad_rows(self, x: Tensor) -> Tensor:
-        """The decoder's input rows (R, T, D) padded with zero rows to ``padded_rows(R)``."""
-        return _pad(x, padded_rows(x.size(0)))
+        """The decoder's input rows (R, T, D) padded with zero rows to ``row_bucket(R)`` (the backend's choice:
+        on the CPU a few row counts per power of two, so that oneDNN reuses its kernels)."""
+        if self.row_bucket is None:
+            return x
+        return _pad(x, self.row_bucket(x.size(0)))
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, which: str) -> Tensor:
         """Attention of the live rows' queries (R, H, T, Dh) to per-sentence keys/values (N, H, L, Dh).

@@ -1,112 +1,42 @@
-"""Linear layers for the CPU in bf16: the bias and the ReLU inside the oneDNN matrix product.
+"""The two places where a backend (``attnmt/backends``) may tune the model, as explicit contracts.
 
-``nn.Linear`` on the CPU runs ``addmm``: it first copies the bias into every row of the output, then accumulates
-the product onto it (one more write and read of the whole output), and a following ReLU is another pass.
-oneDNN's inner product adds the bias and applies the ReLU while each output tile is still in registers; PyTorch
-exposes it as ``torch.ops.mkldnn._linear_pointwise`` (the kernel its compiler emits for CPU linear layers). On a
-(4032 x 512) x (512 x 2048) bf16 product that was 6.6 ms instead of 9.8 ms for linear + relu; a training step of
-the base Transformer got 8% faster. The outputs are bitwise those of ``nn.Linear`` under autocast. The backward
-pass is autograd's (the ReLU mask from the saved output, then the input, weight and bias gradients), except that
-the weight gradient's product is laid out the way oneDNN runs fastest (:func:`_weight_grad`), which can change
-its rounding but not its value.
+* :class:`Linear`: ``nn.Linear`` whose forward can also apply the ReLU that follows it, ``forward(x, relu=False)``.
+  Every linear layer of the Transformer keeps this contract; the model is written with this plain version, and a
+  backend may swap it, once, for a module with the same contract that runs faster on its hardware (oneDNN's fused
+  bias + ReLU for bf16 training on the CPU, weights prepacked for bf16 inference, int8 weights).
+* :class:`AttentionKernel`: attention modules choose between ``scaled_dot_product_attention`` and the plain
+  matmul-softmax-matmul by the sequence length; the backend sets the length up to which the plain form runs
+  (:func:`set_plain_attention_max_len`).
 
-:func:`apply_linear` uses it for ``nn.Linear`` modules when gradients are recorded on the CPU under bf16
-autocast, and calls the module otherwise (evaluation, generation, quantized layers, CUDA, fp32). For bf16
-inference, :class:`PackedLinear` keeps the weight in oneDNN's layout and fuses the ReLU as well.
+The model never asks which device it runs on.
 """
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 
-def _pointwise_available() -> bool:
-    try:
-        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    except (AttributeError, RuntimeError):
-        return False
-
-
-_AVAILABLE = _pointwise_available()
-
-
-class _LinearPointwise(torch.autograd.Function):
-    """``act(x W^T + b)`` with ``act`` "none" or "relu", in ``dtype``; gradients in the inputs' dtypes."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, relu: bool, dtype: torch.dtype) -> Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).to(dtype)
-        w = weight.to(dtype)
-        b = bias.to(dtype) if bias is not None else None
-        y = torch.ops.mkldnn._linear_pointwise(x2, w, b, "relu" if relu else "none", [], "")
-        ctx.save_for_backward(x2, w, y if relu else None)
-        ctx.meta = (shape, x.dtype, weight.dtype, None if bias is None else bias.dtype, relu)
-        return y.view(*shape[:-1], w.size(0))
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        x2, w, y = ctx.saved_tensors
-        shape, x_dtype, w_dtype, b_dtype, relu = ctx.meta
-        g = grad.reshape(-1, w.size(0)).to(w.dtype)
-        if relu:
-            g = torch.ops.aten.threshold_backward(g, y, 0)
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_x = torch.mm(g, w).view(shape).to(x_dtype)
-        if ctx.needs_input_grad[1]:
-            grad_w = _weight_grad(g, x2).to(w_dtype)
-        if b_dtype is not None and ctx.needs_input_grad[2]:
-            grad_b = g.sum(0).to(b_dtype)
-        return grad_x, grad_w, grad_b, None, None
-
-
-def _weight_grad(g: Tensor, x: Tensor) -> Tensor:
-    """``g^T x`` for g (M, N) and x (M, K): oneDNN runs this fastest with the narrower operand transposed into a
-    contiguous copy first (measured on M ~ 3700 rows: 25% faster for N = 4K, 30% for K = 4N; N = K as is)."""
-    n, k = g.size(1), x.size(1)
-    if n > k:
-        return torch.mm(x.t().contiguous(), g).t()
-    if k > n:
-        return torch.mm(g.t().contiguous(), x)
-    return torch.mm(g.t(), x)
-
-
-class PackedLinear(nn.Module):
-    """An ``nn.Linear`` for bf16 inference on the CPU with its weight reordered once into oneDNN's blocked layout.
-
-    ``nn.Linear`` repacks its weight for every product; a decoding step is dozens of small products (a few
-    hundred rows), for which that packing is a large share: with the weight packed once, oneDNN's inner product
-    (``torch.ops.mkldnn._linear_pointwise``, what PyTorch's compiler emits for CPU linear layers) was 10-45%
-    faster on the decoder's shapes, with bitwise the same results. ``weight`` and ``bias`` stay as they were.
-    ``relu=True`` applies the ReLU inside the product (the feed-forward's first layer; :func:`apply_linear`).
-    """
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight, self.bias = linear.weight, linear.bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+class Linear(nn.Linear):
+    """``y = x W^T + b``, then ``max(0, y)`` when ``relu``."""
 
     def forward(self, x: Tensor, relu: bool = False) -> Tensor:
-        if x.dtype != self.packed.dtype:
-            y = F.linear(x, self.weight, self.bias)
-            return F.relu(y) if relu else y
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed, self.bias,
-                                               "relu" if relu else "none", [], "")
-        return y.view(*x.shape[:-1], self.out_features)
+        y = F.linear(x, self.weight, self.bias)
+        return F.relu(y) if relu else y
 
 
-def apply_linear(module: nn.Module, x: Tensor, relu: bool = False) -> Tensor:
-    """``module(x)``, then ReLU if ``relu``; fused in oneDNN when training a plain ``nn.Linear`` on the CPU in bf16,
-    and in a :class:`PackedLinear` (bf16 inference)."""
-    if type(module) is PackedLinear:
-        return module(x, relu=relu)
-    if (_AVAILABLE and type(module) is nn.Linear and x.device.type == "cpu" and torch.is_grad_enabled()
-            and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16):
-        with torch.autocast("cpu", enabled=False):
-            return _LinearPointwise.apply(x, module.weight, module.bias, relu, torch.bfloat16)
-    y = module(x)
-    return F.relu(y) if relu else y
+class AttentionKernel:
+    """Mixin of attention modules: run the plain matmul-softmax-matmul when queries and keys are at most
+    ``plain_attention_max_len`` long (0: never; fused SDPA kernels otherwise)."""
+
+    plain_attention_max_len: int = 0
+
+    def use_plain_attention(self, queries: int, keys: int) -> bool:
+        return max(queries, keys) <= self.plain_attention_max_len
+
+
+def set_plain_attention_max_len(model: nn.Module, n: int) -> None:
+    """Set the plain-attention length limit of every attention module of ``model``."""
+    for m in model.modules():
+        if isinstance(m, AttentionKernel):
+            m.plain_attention_max_len = n

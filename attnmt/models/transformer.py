@@ -26,6 +26,7 @@ Residual blocks are post-norm as in the paper, ``LayerNorm(x + Dropout(Sublayer(
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -36,7 +37,7 @@ from attnmt.errors import UserError
 from attnmt.models.dropout import Dropout
 from attnmt.models.dropout import dropout as dropout_weights
 from attnmt.models.incremental import DecoderCache, LayerCache
-from attnmt.models.linear import apply_linear
+from attnmt.models.linear import AttentionKernel, Linear
 from attnmt.registry import register, register_arch
 
 # ------------------------------------------------------------------------------------------------ config
@@ -238,9 +239,9 @@ def token_embedding(num_embeddings: int, dim: int, pad_idx: int) -> nn.Embedding
     return emb
 
 
-def linear(in_features: int, out_features: int, bias: bool = True) -> nn.Linear:
+def linear(in_features: int, out_features: int, bias: bool = True) -> Linear:
     """A linear layer with Xavier-uniform weights and zero bias (fairseq's choice for the Transformer)."""
-    layer = nn.Linear(in_features, out_features, bias=bias)
+    layer = Linear(in_features, out_features, bias=bias)
     nn.init.xavier_uniform_(layer.weight)
     if bias:
         nn.init.zeros_(layer.bias)
@@ -262,13 +263,15 @@ def key_padding_mask(padding_mask: Tensor) -> Tensor | None:
     return attend[:, None, None, :]  # (B, 1, 1, S): broadcast over heads and queries
 
 
-class MultiHeadAttention(nn.Module):
+class MultiHeadAttention(AttentionKernel, nn.Module):
     """Multi-head attention (3.2.2) over scaled dot-product attention (3.2.1).
 
     ``softmax(Q K^T / sqrt(d_k)) V`` is ``F.scaled_dot_product_attention``, which picks a fused kernel and applies
     attention dropout (``dropout_p``) to the weights in training. Self-attention projects Q, K and V with one
     fused (D -> 3D) matmul; encoder-decoder attention projects the query from the decoder and K, V (one fused
     matmul) from the encoder output, which the decoder computes once per sentence when decoding step by step.
+    Sequences up to ``plain_attention_max_len`` (set by the backend: ``AttentionKernel``) run the same formula as
+    :func:`plain_attention` instead, faster than SDPA's kernels for short sentences on the CPU.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, dropout: float, kv_dim: int | None = None):
@@ -277,11 +280,11 @@ class MultiHeadAttention(nn.Module):
         self.head_dim = embed_dim // num_heads
         self.dropout = dropout
         if kv_dim is None:  # self-attention
-            self.qkv_proj = nn.Linear(embed_dim, 3 * embed_dim)
+            self.qkv_proj = Linear(embed_dim, 3 * embed_dim)
             fused = [self.qkv_proj]
         else:  # encoder-decoder attention
-            self.q_proj = nn.Linear(embed_dim, embed_dim)
-            self.kv_proj = nn.Linear(kv_dim, 2 * embed_dim)
+            self.q_proj = Linear(embed_dim, embed_dim)
+            self.kv_proj = Linear(kv_dim, 2 * embed_dim)
             fused = [self.q_proj, self.kv_proj]
         # Initialize each of W^Q, W^K, W^V as its own (D, D) matrix, as if unfused: Xavier-uniform scaled by
         # 1/sqrt(2) (fairseq's choice, which it found to converge better), zero bias.
@@ -297,26 +300,26 @@ class MultiHeadAttention(nn.Module):
 
     def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Self-attention: Q, K, V from the same (B, T, D) input, each (B, H, T, Dh)."""
-        q, k, v = apply_linear(self.qkv_proj, x).chunk(3, dim=-1)  # 3 x (B, T, D)
+        q, k, v = self.qkv_proj(x).chunk(3, dim=-1)  # 3 x (B, T, D)
         return self._split_heads(q), self._split_heads(k), self._split_heads(v)
 
     def project_q(self, x: Tensor) -> Tensor:
-        return self._split_heads(apply_linear(self.q_proj, x))  # (B, H, T, Dh)
+        return self._split_heads(self.q_proj(x))  # (B, H, T, Dh)
 
     def project_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
         """Encoder-decoder attention: K, V from the encoder output (B, S, D_enc), each (B, H, S, Dh)."""
-        k, v = apply_linear(self.kv_proj, memory).chunk(2, dim=-1)
+        k, v = self.kv_proj(memory).chunk(2, dim=-1)
         return self._split_heads(k).contiguous(), self._split_heads(v).contiguous()
 
     def combine_heads(self, out: Tensor) -> Tensor:
         """Concat(head_1..head_h) W^O: (B, H, T, Dh) -> (B, T, D)."""
         B, H, T, Dh = out.shape
-        return apply_linear(self.out_proj, out.transpose(1, 2).reshape(B, T, H * Dh))
+        return self.out_proj(out.transpose(1, 2).reshape(B, T, H * Dh))
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
         """Concat(head_1..head_h) W^O with head_i = Attention(Q_i, K_i, V_i). Returns (B, T, D)."""
         dropout_p = self.dropout if self.training else 0.0
-        if _plain_attention_wanted(q, mask):
+        if self.use_plain_attention(q.size(-2), k.size(-2)) and (mask is None or mask.dtype == torch.bool):
             out = plain_attention(q, k, v, mask, is_causal, dropout_p)  # (B, H, T, Dh)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
@@ -339,14 +342,6 @@ class MultiHeadAttention(nn.Module):
     def forward(self, x: Tensor, mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
         """Self-attention of ``x`` (B, T, D) without a cache."""
         return self.attend(*self.project_qkv(x), mask=mask, is_causal=is_causal)
-
-
-def _plain_attention_wanted(q: Tensor, mask: Tensor | None) -> bool:
-    """On the CPU, when SDPA is restricted to its math backend (``sdpa_kernel([SDPBackend.MATH])``, what the
-    trainer selects for short sentences), use :func:`plain_attention`: SDPA's math path converts bf16 inputs to
-    fp32 on the CPU and was about 1.6x slower than the same three steps done in bf16."""
-    return (q.device.type == "cpu" and not torch.backends.cuda.flash_sdp_enabled()
-            and torch.backends.cuda.math_sdp_enabled() and (mask is None or mask.dtype == torch.bool))
 
 
 def plain_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
@@ -380,8 +375,8 @@ class FeedForward(nn.Module):
         self.activation_dropout = Dropout(activation_dropout)
 
     def forward(self, x: Tensor) -> Tensor:  # (B, T, D)
-        hidden = apply_linear(self.fc1, x, relu=True)  # bias and ReLU fused on CPU training (models/linear.py)
-        return apply_linear(self.fc2, self.activation_dropout(hidden))  # (B, T, D)
+        hidden = self.fc1(x, relu=True)  # a backend may fuse the bias and ReLU into the product (models/linear.py)
+        return self.fc2(self.activation_dropout(hidden))  # (B, T, D)
 
 
 # ------------------------------------------------------------- 5.4 residual dropout around each sub-layer
@@ -531,7 +526,7 @@ class TransformerDecoder(nn.Module):
                 cache.set_memory(enc.out.size(0), key_padding_mask(enc.padding_mask))
             memory_mask = cache.memory_mask
             cache.begin(prev_output_tokens.size(0), prev_output_tokens.size(1), prev_output_tokens.device)
-            x = cache.pad_rows(x)  # a few row counts only: oneDNN builds a kernel for every new matrix shape
+            x = cache.pad_rows(x)  # to the backend's row bucket (the CPU's oneDNN builds a kernel per shape)
         layer_caches = [None] * len(self.layers) if cache is None else cache.layers
         for layer, layer_cache in zip(self.layers, layer_caches):
             x = layer(x, enc.out, memory_mask, layer_cache, start)
@@ -681,13 +676,14 @@ class TransformerModel(nn.Module):
             self.train(was_training)
         return weights
 
-    def new_cache(self, beam: int = 1) -> DecoderCache:
-        """An empty cache for ``decode``; ``beam``: decoder rows per sentence of the encoder output.
+    def new_cache(self, beam: int = 1, row_bucket: Callable[[int], int] | None = None) -> DecoderCache:
+        """An empty cache for ``decode``; ``beam``: decoder rows per sentence of the encoder output; ``row_bucket``:
+        the row count each decoder call is padded to (the backend's, e.g. few shapes for oneDNN; None: none).
 
         With ``beam`` > 1, ``decode`` takes ``beam`` consecutive rows per sentence of ``enc`` (hypotheses of one
         sentence), which share that sentence's encoder output and encoder-decoder keys/values.
         """
-        return DecoderCache(len(self.decoder.layers), beam)
+        return DecoderCache(len(self.decoder.layers), beam, row_bucket)
 
     @staticmethod
     def reorder(enc: EncoderOut, cache: DecoderCache | None, new_order: Tensor,

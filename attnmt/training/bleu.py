@@ -30,7 +30,7 @@ class BleuValidator:
 
         self.task = task
         self.device = device
-        self.bf16 = precision == "bf16"
+        self.precision = "bf16" if precision == "bf16" else "fp32"  # fp16 training validates in fp32
         self.max_tokens = cfg.max_tokens
         self.batch_size = cfg.batch_size
         split = task.valid_subsets()[0]
@@ -51,7 +51,7 @@ class BleuValidator:
         was_training = model.training
         model.eval()
         try:
-            gen = Generator(model, self.symbols, self.search_cfg, device=self.device, bf16=self.bf16,
+            gen = Generator(model, self.symbols, self.search_cfg, device=self.device, precision=self.precision,
                             max_source_positions=model.max_positions()[0], truncate_source=True)
             mine = list(range(distributed.rank(), len(self.sources), distributed.world_size()))
             local = {}

@@ -38,6 +38,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from attnmt.backends import backend_for, resolve_precision
+from attnmt.backends.precision import requested_precision
 from attnmt.config import to_dict
 from attnmt.criterions import reduce_metrics
 from attnmt.data.batching import EpochBatchIterator, Skipped, batch_by_size, filter_by_size
@@ -69,9 +71,12 @@ class TrainConfig:
         "help": "stop when the best validation metric has not improved for N validations (-1: off)"})
     # numerics and device
     seed: int = field(default=1, metadata={"help": "random seed (initialisation, dropout, batch order)"})
-    bf16: bool = field(default=False, metadata={
-        "help": "bf16 autocast (AMX on CPU, tensor cores on CUDA), fp32 master weights"})
-    fp16: bool = field(default=False, metadata={"help": "fp16 autocast with dynamic loss scaling (CUDA only)"})
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = field(default="fp32", metadata={
+        "help": "auto: bf16 where the hardware computes it natively (a CPU with AMX or AVX-512 BF16, a GPU of "
+                "compute capability >= 8.0), fp32 otherwise; bf16: bf16 autocast with fp32 master weights (an "
+                "error on a CPU without native bf16); fp16: fp16 autocast with dynamic loss scaling (CUDA)"})
+    bf16: bool = field(default=False, metadata={"help": "fairseq's spelling of --precision bf16"})
+    fp16: bool = field(default=False, metadata={"help": "fairseq's spelling of --precision fp16"})
     cpu: bool = field(default=False, metadata={"help": "train on the CPU even when CUDA is available"})
     threads: int | None = field(default=None, metadata={"help": "CPU threads for torch (torch.set_num_threads)"})
     clip_norm: float = field(default=0.0, metadata={"help": "clip the gradient norm to this value (0: off)"})
@@ -131,8 +136,7 @@ class TrainConfig:
             raise ValueError(f"--update-freq must be >= 1, got {self.update_freq}")
         if self.log_interval < 1:
             raise ValueError(f"--log-interval must be >= 1, got {self.log_interval}")
-        if self.bf16 and self.fp16:
-            raise ValueError("--bf16 and --fp16 exclude each other; pick one")
+        self.precision = requested_precision(self.precision, self.bf16, self.fp16)
         if self.best_checkpoint_metric not in ("loss", "nll_loss", "ppl", "bleu"):
             raise ValueError(f"--best-checkpoint-metric {self.best_checkpoint_metric!r}: use loss, nll_loss, ppl or "
                              f"bleu")
@@ -265,19 +269,6 @@ class Meter:
 
 def _device(cfg: TrainConfig) -> torch.device:
     return distributed.choose_device(distributed.Env(cfg.rank, cfg.world_size, cfg.local_rank), cfg.cpu)
-
-
-def _precision(cfg: TrainConfig, device: torch.device) -> str:
-    if cfg.fp16:
-        if device.type != "cuda":
-            raise UserError("--fp16 needs a CUDA GPU (dynamic loss scaling for fp16 is a GPU technique); on the CPU "
-                            "use --bf16, which AMX runs fast")
-        return "fp16"
-    if cfg.bf16:
-        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            raise UserError("--bf16: this GPU does not support bfloat16; use --fp16")
-        return "bf16"
-    return "fp32"
 
 
 def _seed_everything(seed: int) -> None:
@@ -485,7 +476,7 @@ def train(data_bin: str | os.PathLike, setup: Setup, cfg: TrainConfig,
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = _device(cfg)
-    precision = _precision(cfg, device)
+    precision = resolve_precision(cfg.precision, device, mode="train")
     peers = None
     owns_group = False
     if cfg.world_size > 1:
@@ -507,14 +498,15 @@ def _train(data_bin, setup: Setup, cfg: TrainConfig, extra_validators, dist_cfg:
     task = task_cls(setup.task_cfg, data_bin)
     model_name, model_cfg, notes = task.model_config(setup.arch, setup.model_overrides)
     model = task.build_model(model_name, model_cfg).to(device)
+    backend = backend_for(device, precision)
+    backend.prepare_training(model, cfg.cpu_attention)  # before the optimizer and DDP see the modules
     criterion = task.build_criterion(setup.criterion, setup.criterion_cfg)
     lr_scheduler = build_lr_scheduler(setup.lr_scheduler, setup.lr_scheduler_cfg)
     optimizer = build_optimizer(setup.optimizer, setup.optimizer_cfg, model.parameters(),
                                 lr=getattr(setup.lr_scheduler_cfg, "lr", 1e-3))
     ddp_model = distributed.wrap(model, device) if cfg.world_size > 1 else None
     trainer = Trainer(model, criterion, optimizer, lr_scheduler, device=device, precision=precision,
-                      clip_norm=cfg.clip_norm, world_size=cfg.world_size, cpu_attention=cfg.cpu_attention,
-                      ddp_model=ddp_model)
+                      clip_norm=cfg.clip_norm, world_size=cfg.world_size, ddp_model=ddp_model)
     max_positions = model.max_positions()
     itr, skipped = make_train_iterator(task, cfg, max_positions)
     if cfg.world_size > 1:  # a rank whose update holds only padding batches still joins the gradient all-reduce
@@ -572,8 +564,10 @@ def _report_start(log: RunLog, task, setup: Setup, cfg: TrainConfig, model, itr,
     n = model.num_parameters() if hasattr(model, "num_parameters") else sum(p.numel() for p in model.parameters())
     train = itr.batches
     n_train = sum(len(b) for b in train)
-    log.info(f"model: {setup.arch} ({n:,} parameters); device {device}, {precision}, "
-             f"{torch.get_num_threads()} CPU threads")
+    backend = backend_for(device, precision)
+    log.info(f"model: {setup.arch} ({n:,} parameters); {backend.describe()}, {torch.get_num_threads()} CPU threads")
+    log.record({"type": "start", "arch": setup.arch, "parameters": n, "device": str(device), "precision": precision,
+                "hardware": backend.describe(), "threads": torch.get_num_threads()})
     for note in notes:
         log.info(f"model: {note}")
     log.info(f"data: {task.data_bin} {task.src_lang}->{task.tgt_lang}, dictionaries {len(task.src_dict)}/"

@@ -16,9 +16,11 @@ before that backward the ranks agree that none of them failed in this update (:f
 an out-of-memory batch on one rank then stops all ranks with a message naming the batch's shape, instead of
 leaving the others blocked in the gradient all-reduce.
 
-Precision: ``bf16`` runs forward and loss under ``torch.autocast(dtype=bfloat16)`` (AMX on CPU, tensor cores on
-CUDA) with fp32 master weights and no loss scaling; ``fp16`` (CUDA only) adds dynamic loss scaling with
-``torch.amp.GradScaler``: an update whose gradients overflow is skipped and does not count.
+Precision (resolved before, ``attnmt.backends.resolve_precision``): ``bf16`` runs forward and loss under the
+backend's autocast (native bf16 on the CPU, tensor cores on CUDA) with fp32 master weights and no loss scaling;
+``fp16`` (CUDA only) adds dynamic loss scaling with ``torch.amp.GradScaler``: an update whose gradients overflow
+is skipped and does not count. Everything device-specific (the model's fused layers, the attention kernel,
+process settings) was set up by the backend before the trainer is built.
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ import contextlib
 
 import torch
 
+from attnmt.backends import backend_for
 from attnmt.data.pairs import move_to
 from attnmt.errors import UserError
 from attnmt.training import distributed
-from attnmt.training.cpu_runtime import tune_cpu_runtime
 
 
 def global_sum(values: list[float], device: torch.device) -> list[float]:
@@ -44,19 +46,6 @@ def global_sum(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
-try:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-except ImportError:  # torch < 2.3
-    SDPBackend = sdpa_kernel = None
-
-# On CPU, the fused "flash" attention kernel is slower than the plain matmul-softmax-matmul one for short
-# sequences. With the model's plain kernel (``plain_attention``, what the math backend selects on CPU), measured
-# with torch 2.13, bf16, causal, forward + backward, 4096 tokens per batch: flash is 3.4x slower at 32 tokens,
-# 2.3x at 128, 1.2x at 256, equal near 384, faster from 512 on. Sentence-level NMT batches are short, so "auto"
-# picks the plain kernel up to this.
-CPU_MATH_ATTENTION_MAX_LEN = 256
-
-
 def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     if hasattr(torch.nn.utils, "get_total_norm"):
         return torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
@@ -68,12 +57,8 @@ class Trainer:
 
     def __init__(self, model: torch.nn.Module, criterion, optimizer: torch.optim.Optimizer, lr_scheduler, *,
                  device: torch.device, precision: str = "fp32", clip_norm: float = 0.0, world_size: int = 1,
-                 cpu_attention: str = "auto", ddp_model: torch.nn.Module | None = None):
-        if precision not in ("fp32", "bf16", "fp16"):
-            raise ValueError(f"unknown precision {precision!r}")
-        if precision == "fp16" and device.type != "cuda":
-            raise UserError("--fp16 needs a CUDA device (fp16 on CPU is slow and unsupported by autocast); "
-                            "use --bf16 on CPU")
+                 ddp_model: torch.nn.Module | None = None):
+        self.backend = backend_for(device, precision)  # refuses fp16 without CUDA
         self.model = model
         self.train_model = ddp_model if ddp_model is not None else model  # what forward/backward run through
         self.criterion = criterion
@@ -83,33 +68,17 @@ class Trainer:
         self.precision = precision
         self.clip_norm = clip_norm
         self.world_size = world_size
-        self.cpu_attention = cpu_attention
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
         self.num_updates = 0
         self.num_overflows = 0
         self._dummy: dict | None = None
         self.lr = self.lr_scheduler.step_update(self.optimizer, 0)
-        if device.type == "cpu":
-            tune_cpu_runtime()  # heap reuse and a larger oneDNN kernel cache (see cpu_runtime.py)
 
     # ----------------------------------------------------------------------------------------------- helpers
 
     def autocast(self):
-        if self.precision == "fp32":
-            return contextlib.nullcontext()
-        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
-        return torch.autocast(self.device.type, dtype=dtype)
-
-    def attention_kernel(self, sample: dict):
-        """The scaled-dot-product-attention kernel for this batch (see CPU_MATH_ATTENTION_MAX_LEN)."""
-        if self.device.type != "cpu" or sdpa_kernel is None or self.cpu_attention == "flash":
-            return contextlib.nullcontext()
-        if self.cpu_attention == "auto":
-            longest = max(sample["net_input"]["src_tokens"].size(1), sample["target"].size(1))
-            if longest > CPU_MATH_ATTENTION_MAX_LEN:
-                return contextlib.nullcontext()
-        return sdpa_kernel([SDPBackend.MATH])
+        return self.backend.autocast()
 
     def set_num_updates(self, n: int) -> None:
         self.num_updates = n
@@ -157,7 +126,7 @@ class Trainer:
                     self._dummy = sample
                     nsentences += sample["nsentences"]
                 last = i == len(samples) - 1
-                with self._no_sync(last=last), self.attention_kernel(sample):
+                with self._no_sync(last=last):
                     with self.autocast():
                         loss, log = self.criterion(self.train_model, sample)
                     scaled = loss * weight
@@ -216,7 +185,7 @@ class Trainer:
         """Loss sums of one validation batch (eval mode: no dropout)."""
         self.model.eval()
         sample = move_to(sample, self.device)
-        with self.autocast(), self.attention_kernel(sample):
+        with self.autocast():
             _, log = self.criterion(self.model, sample)
         return log
 

@@ -30,7 +30,7 @@ WORK=${WORK:-runs/iwslt14_de_en}
 MAX_TIME_MINUTES=${MAX_TIME_MINUTES:-30}
 MAX_UPDATE=${MAX_UPDATE:-0}
 THREADS=${THREADS:-$(nproc)}
-PRECISION=${PRECISION:---bf16}
+PRECISION=${PRECISION:-auto}
 AVG=${AVG:-5}
 TRAIN_LINES=${TRAIN_LINES:-0}
 EVAL_BLEU=${EVAL_BLEU:-200}
@@ -56,7 +56,7 @@ attnmt preprocess -s de -t en --trainpref "$TRAINPREF" --validpref "$RAW/valid" 
 log "3/6 train transformer_iwslt_de_en for at most $MAX_TIME_MINUTES minutes"
 # fairseq's IWSLT recipe: lr 5e-4, 4000 warm-up, dropout 0.3, weight decay 1e-4, label smoothing 0.1, 4096 tokens
 # shellcheck disable=SC2086
-attnmt train "$BIN" --arch transformer_iwslt_de_en --share-all-embeddings --save-dir "$CKPT" $PRECISION \
+attnmt train "$BIN" --arch transformer_iwslt_de_en --share-all-embeddings --save-dir "$CKPT" --precision "$PRECISION" \
   --threads "$THREADS" --max-tokens 4096 --lr 5e-4 --warmup-updates "$WARMUP_UPDATES" --warmup-init-lr 1e-7 \
   --label-smoothing 0.1 --weight-decay 0.0001 --max-time-minutes "$MAX_TIME_MINUTES" --max-update "$MAX_UPDATE" \
   --keep-last-epochs "$AVG" --seed 1 --log-interval 50 $BLEU_ARGS ${EXTRA_TRAIN_ARGS:-}
@@ -72,7 +72,7 @@ fi
 
 log "5/6 generate the test set (beam 4, lenpen 0.6)"
 # shellcheck disable=SC2086
-attnmt generate "$BIN" --path "$MODEL" --gen-subset test --beam 4 --lenpen 0.6 $PRECISION --threads "$THREADS" \
+attnmt generate "$BIN" --path "$MODEL" --gen-subset test --beam 4 --lenpen 0.6 --precision "$PRECISION" --threads "$THREADS" \
   --quiet ${GEN_ARGS:-} > "$OUT/test.hyp.tok.en"
 gzip -cd "$RAW/test.en.gz" > "$OUT/test.ref.tok.en"
 gzip -cd "$RAW/test.detok.en.gz" > "$OUT/test.ref.detok.en"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Multi30k (WMT16 multimodal task 1) English -> German on a CPU, end to end:
-#   get the data (sha256-checked) -> preprocess (joint SentencePiece BPE 10k) -> train transformer_small with bf16
-#   autocast for a fixed time budget -> average the last epoch checkpoints -> beam 4 / lenpen 0.6 -> sacreBLEU on
+#   get the data (sha256-checked) -> preprocess (joint SentencePiece BPE 10k) -> train transformer_small (bf16 where
+#   the CPU computes it natively, fp32 otherwise) for a fixed time budget -> average the last epoch checkpoints -> beam 4 / lenpen 0.6 -> sacreBLEU on
 #   val, test_2016_flickr and test_2017_flickr -> training curves and an attention heat map (PNG).
 #
 # Run from the repository root:  bash recipes/multi30k_en_de/run.sh
@@ -12,7 +12,7 @@
 #   MAX_TIME_MINUTES  training time budget                                [55]
 #   MAX_UPDATE        stop after this many updates as well (0: no limit)  [0]
 #   THREADS           CPU threads                                         [number of cores]
-#   PRECISION         --bf16 (AMX/tensor cores) or --no-bf16 (fp32)       [--bf16]
+#   PRECISION         auto (bf16 on AMX / AVX-512 BF16 CPUs, else fp32), fp32 or bf16   [auto]
 #   AVG               how many last epoch checkpoints to average          [5]
 #   TRAIN_LINES       use only the first N training pairs (smoke tests; 0: all)  [0]
 #   EVAL_BLEU         decode the first N valid sentences after each epoch (--eval-bleu), for the valid BLEU
@@ -28,7 +28,7 @@ ARCH=${ARCH:-transformer_small}
 MAX_TIME_MINUTES=${MAX_TIME_MINUTES:-55}
 MAX_UPDATE=${MAX_UPDATE:-0}
 THREADS=${THREADS:-$(nproc)}
-PRECISION=${PRECISION:---bf16}
+PRECISION=${PRECISION:-auto}
 AVG=${AVG:-5}
 TRAIN_LINES=${TRAIN_LINES:-0}
 EXTRA_TRAIN_ARGS=${EXTRA_TRAIN_ARGS:-}
@@ -59,7 +59,7 @@ attnmt preprocess -s en -t de --trainpref "$TRAIN" --validpref "$RAW/val" \
 
 log "3/6 train $ARCH for at most $MAX_TIME_MINUTES minutes -> $CKPT"
 # shellcheck disable=SC2086
-attnmt train "$BIN" --arch "$ARCH" --save-dir "$CKPT" $PRECISION --threads "$THREADS" \
+attnmt train "$BIN" --arch "$ARCH" --save-dir "$CKPT" --precision "$PRECISION" --threads "$THREADS" \
   --max-tokens 4096 --lr 1e-3 --warmup-updates 500 --warmup-init-lr 1e-7 --label-smoothing 0.1 \
   --weight-decay 0.0001 --max-time-minutes "$MAX_TIME_MINUTES" --max-update "$MAX_UPDATE" \
   --keep-last-epochs "$AVG" --seed 1 --log-interval 50 $BLEU_ARGS $EXTRA_TRAIN_ARGS
@@ -78,7 +78,7 @@ log "5/6 generate (beam 4, lenpen 0.6) and score"
 for split in valid:val test:test_2016_flickr test1:test_2017_flickr; do
   subset=${split%%:*}; name=${split#*:}
   # shellcheck disable=SC2086
-  attnmt generate "$BIN" --path "$MODEL" --gen-subset "$subset" --beam 4 --lenpen 0.6 $PRECISION \
+  attnmt generate "$BIN" --path "$MODEL" --gen-subset "$subset" --beam 4 --lenpen 0.6 --precision "$PRECISION" \
     --threads "$THREADS" --quiet $GEN_ARGS > "$OUT/$name.hyp.de"
   gzip -cd "$RAW/$name.de.gz" > "$OUT/$name.ref.de"
   attnmt score --ref "$OUT/$name.ref.de" --sys "$OUT/$name.hyp.de" | tee "$OUT/$name.bleu"

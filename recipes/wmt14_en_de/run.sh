@@ -20,7 +20,7 @@
 #   NPROC        processes (GPUs) on this node                                     [1]
 #   MAX_TOKENS, UPDATE_FREQ  see above                                             [3125, 8/NPROC]
 #   MAX_UPDATE   100000 (base) / 300000 (big), as the paper
-#   PRECISION    --bf16 | --fp16 | "" (fp32)                                       [--bf16]
+#   PRECISION    auto (bf16 where the hardware computes it natively) | bf16 | fp16 | fp32   [auto]
 #   SMOKE=1      no training data needed: train a few updates on a slice of newstest2013 (a stand-in, clearly
 #                not WMT14 training data), then run every later step for real on newstest2014
 set -euo pipefail
@@ -32,7 +32,8 @@ WORK=${WORK:-runs/wmt14_en_de_$CONFIG}
 NPROC=${NPROC:-1}
 MAX_TOKENS=${MAX_TOKENS:-3125}
 UPDATE_FREQ=${UPDATE_FREQ:-$(( 8 / NPROC > 0 ? 8 / NPROC : 1 ))}
-PRECISION=${PRECISION:---bf16}
+PRECISION=${PRECISION:-auto}
+GEN_PRECISION=$PRECISION; [ "$PRECISION" = fp16 ] && GEN_PRECISION=auto  # fp16 is a training precision
 SMOKE=${SMOKE:-0}
 THREADS=${THREADS:-$(nproc)}
 case "$CONFIG" in
@@ -72,7 +73,7 @@ attnmt preprocess -s en -t de --trainpref "$RAW/train" --validpref "$RAW/newstes
 
 log "3/6 train $ARCH: $MAX_TOKENS tokens x $NPROC process(es) x update-freq $UPDATE_FREQ per update, $MAX_UPDATE updates"
 # shellcheck disable=SC2086
-attnmt train "$BIN" --arch "$ARCH" --share-all-embeddings --save-dir "$CKPT" $PRECISION \
+attnmt train "$BIN" --arch "$ARCH" --share-all-embeddings --save-dir "$CKPT" --precision "$PRECISION" \
   $NPROC_ARGS --max-tokens "$MAX_TOKENS" --update-freq "$UPDATE_FREQ" \
   --optimizer adam --adam-betas '(0.9, 0.98)' --adam-eps 1e-9 --lr "$LR" --lr-scheduler inverse_sqrt \
   --warmup-updates 4000 --warmup-init-lr 1e-7 --criterion label_smoothed_cross_entropy --label-smoothing 0.1 \
@@ -84,7 +85,7 @@ attnmt average-checkpoints --inputs "$CKPT" --num-update-checkpoints "$AVG" --ou
 log "5/6 newstest2014: beam 4, lenpen 0.6, max length source + 50"
 # shellcheck disable=SC2086
 attnmt generate "$BIN" --path "$CKPT/averaged.pt" --gen-subset test --beam 4 --lenpen 0.6 \
-  --max-len-a 1 --max-len-b 50 $PRECISION --quiet ${GEN_ARGS:-} > "$OUT/newstest2014.hyp.de"
+  --max-len-a 1 --max-len-b 50 --precision "$GEN_PRECISION" --quiet ${GEN_ARGS:-} > "$OUT/newstest2014.hyp.de"
 gzip -cd "$RAW/newstest2014.de.gz" > "$OUT/newstest2014.ref.de"
 
 log "6/6 score: sacreBLEU, and the paper's tokenized compound-split BLEU (compatibility mode)"

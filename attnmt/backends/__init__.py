@@ -1,0 +1,52 @@
+"""The hardware seam: every decision that depends on the device is made here, once, and nowhere else.
+
+* :mod:`attnmt.backends.capabilities` detects what the machine runs fast (native bf16 on the CPU, bf16 on the
+  GPU) once per process.
+* :func:`resolve_precision` turns the user's ``--precision auto|fp32|bf16|fp16`` into the precision a run uses,
+  or a one-line error naming the missing capability.
+* :func:`backend_for` returns the :class:`Backend` of a device and precision. It prepares a model once (swaps its
+  linear layers for the hardware's fused or packed ones, sets the attention implementation, casts or quantizes
+  it), gives the autocast context, and the decoder's row bucketing; :meth:`Backend.configure_process` applies
+  process-wide runtime settings and is called by the commands, not by library constructors.
+
+The model, the criterion and the search hold no device checks: they call what the backend gave them.
+"""
+
+from __future__ import annotations
+
+from attnmt.backends.base import Backend, Mode
+from attnmt.backends.capabilities import CpuCapabilities, cpu
+from attnmt.backends.precision import PRECISIONS, Precision, resolve_precision
+
+__all__ = ["Backend", "CpuCapabilities", "Mode", "PRECISIONS", "Precision", "backend_for", "configure_process",
+           "cpu", "resolve_precision"]
+
+
+def backend_for(device, precision: str = "fp32") -> Backend:
+    """The backend of ``device`` (a ``torch.device`` or its name) for a resolved ``precision``."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cpu":
+        from attnmt.backends.cpu import CpuBackend
+
+        return CpuBackend(device, precision)
+    if device.type == "cuda":
+        from attnmt.backends.cuda import CudaBackend
+
+        return CudaBackend(device, precision)
+    return Backend(device, precision)
+
+
+def configure_process(mode: Mode, device: str = "auto") -> dict:
+    """Apply the process-wide runtime settings of ``device``'s backend for ``mode`` ("train" or "generate"), once
+    per process; called by the commands before any model runs. ``device``: a device name, or "auto"."""
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        return {}  # the command reports the bad --device itself
+    return backend_for(dev).configure_process(mode)

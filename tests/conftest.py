@@ -1,0 +1,21 @@
+"""Shared test helpers: the CPU's bf16 support, detected once, and a switch that hides it."""
+
+import pytest
+
+from attnmt.backends import capabilities
+
+NATIVE_BF16 = capabilities.cpu().native_bf16
+
+# tests of the fast paths that only exist where the CPU computes bf16 natively (AMX, AVX-512 BF16)
+needs_native_bf16 = pytest.mark.skipif(
+    not NATIVE_BF16, reason=f"no native bf16 on this CPU ({capabilities.cpu().why_no_bf16()})")
+
+
+@pytest.fixture
+def no_native_bf16(monkeypatch):
+    """Run the test as on a CPU without native bf16 (ATTNMT_CPU_BF16=0), in this process and its children."""
+    monkeypatch.setenv(capabilities.BF16_SWITCH, "0")
+    capabilities.cpu.cache_clear()
+    yield
+    monkeypatch.delenv(capabilities.BF16_SWITCH)
+    capabilities.cpu.cache_clear()

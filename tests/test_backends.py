@@ -1,0 +1,216 @@
+"""The hardware seam: precision from the CPU's capabilities, the fallback paths, and the modules a backend swaps
+in computing what the plain model computes."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import NATIVE_BF16, needs_native_bf16
+
+from attnmt.backends import backend_for, capabilities, resolve_precision
+from attnmt.backends.base import Backend
+from attnmt.backends.cpu import CpuBackend, Int8Linear, padded_rows
+from attnmt.errors import UserError
+from attnmt.models.linear import Linear
+
+CPU = torch.device("cpu")
+
+pytestmark = pytest.mark.precision
+
+
+def _model(seed=0):
+    from attnmt.models.transformer import TransformerConfig, TransformerModel
+
+    cfg = TransformerConfig(encoder_layers=2, decoder_layers=2, encoder_embed_dim=32, decoder_embed_dim=32,
+                            encoder_ffn_embed_dim=64, decoder_ffn_embed_dim=64, encoder_attention_heads=4,
+                            decoder_attention_heads=4, dropout=0.0)
+    torch.manual_seed(seed)
+    return TransformerModel.build(cfg, 50, 50, 1, joint_vocab=True)
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(4, 50, (3, 9), generator=g), torch.full((3,), 9), torch.randint(4, 50, (3, 7), generator=g)
+
+
+def test_precision_auto_follows_the_cpu():
+    assert resolve_precision("auto", CPU) == ("bf16" if NATIVE_BF16 else "fp32")
+    assert resolve_precision("fp32", CPU) == "fp32"
+    with pytest.raises(UserError, match="--fp16 needs a CUDA GPU"):
+        resolve_precision("fp16", CPU)
+
+
+def test_without_native_bf16_auto_is_fp32_and_bf16_is_a_one_line_error(no_native_bf16):
+    caps = capabilities.cpu()
+    assert not caps.native_bf16 and not caps.fused_linear
+    assert "ATTNMT_CPU_BF16=0" in caps.describe()
+    assert resolve_precision("auto", CPU) == "fp32"
+    with pytest.raises(UserError) as e:
+        resolve_precision("bf16", CPU)
+    message = str(e.value)
+    assert "\n" not in message and "no native bf16" in message and "--precision auto" in message
+
+
+def test_onednn_isa_cap_turns_native_bf16_off():
+    """oneDNN's own switch, as CI uses it to prove the AVX2 paths on a machine with AMX."""
+    code = "import json; from attnmt.backends import cpu; c = cpu(); print(json.dumps([c.native_bf16, c.describe()]))"
+    env = {**__import__("os").environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    env.pop(capabilities.BF16_SWITCH, None)
+    native, text = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                                             check=True).stdout)
+    assert native is False and "no native bf16" in text
+
+
+@pytest.mark.parametrize("relu", [False, True])
+def test_model_linear_contract(relu):
+    torch.manual_seed(2)
+    layer = Linear(8, 5)
+    x = torch.randn(3, 8)
+    y = F.linear(x, layer.weight, layer.bias)
+    assert torch.equal(layer(x, relu=relu), F.relu(y) if relu else y)
+
+
+def test_fp32_training_keeps_the_plain_layers_and_sets_the_attention_kernel():
+    from attnmt.models.linear import AttentionKernel
+
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    CpuBackend(CPU, "fp32").prepare_training(model, "auto")
+    assert sum(type(m) is Linear for m in model.modules()) > 10
+    kernels = [m for m in model.modules() if isinstance(m, AttentionKernel)]
+    assert kernels and all(m.plain_attention_max_len == 256 for m in kernels)
+    CpuBackend(CPU, "fp32").prepare_training(model, "flash")
+    assert all(m.plain_attention_max_len == 0 for m in kernels)
+    assert model.state_dict().keys() == before.keys()
+
+
+def test_plain_and_fused_attention_kernels_give_the_same_model_output():
+    model = _model().eval()
+    src, lengths, prev = _inputs()
+    outs = []
+    for choice in ("math", "flash"):
+        CpuBackend(CPU, "fp32").prepare_training(model, choice)
+        with torch.no_grad():
+            outs.append(model(src, lengths, prev))
+    assert torch.allclose(outs[0], outs[1], atol=1e-5)
+
+
+def test_bf16_training_without_native_bf16_keeps_plain_layers(no_native_bf16):
+    model = _model()
+    CpuBackend(CPU, "bf16").prepare_training(model)
+    assert sum(type(m) is Linear for m in model.modules()) > 10
+
+
+@needs_native_bf16
+def test_bf16_training_swaps_fused_layers_with_the_same_parameters_and_outputs():
+    from attnmt.backends.onednn import Bf16TrainingLinear
+
+    model, plain = _model(), _model()
+    params = {id(p) for p in model.parameters()}
+    keys = model.state_dict().keys()
+    backend = CpuBackend(CPU, "bf16")
+    backend.prepare_training(model)
+    CpuBackend(CPU, "fp32").prepare_training(plain)  # same attention choice, plain layers
+    assert sum(type(m) is Bf16TrainingLinear for m in model.modules()) > 10
+    assert {id(p) for p in model.parameters()} == params and model.state_dict().keys() == keys
+    src, lengths, prev = _inputs()
+    with torch.no_grad(), backend.autocast():
+        assert torch.equal(model(src, lengths, prev), plain(src, lengths, prev))
+
+
+@needs_native_bf16
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_training_linear_equals_nn_linear_under_bf16_autocast(relu, bias):
+    from attnmt.backends.onednn import Bf16TrainingLinear
+
+    torch.manual_seed(9)
+    layer = Linear(16, 24, bias=bias)
+    fused = Bf16TrainingLinear(layer)
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    g = torch.randn(3, 5, 24)
+    outs, grads = [], []
+    for module in (fused, layer):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = module(x, relu=relu)
+        y.float().backward(g)
+        outs.append(y)
+        grads.append([t.grad.clone() for t in (x, layer.weight, layer.bias) if t is not None])
+        for t in (x, layer.weight, layer.bias):
+            if t is not None:
+                t.grad = None
+    assert outs[0].dtype == torch.bfloat16 and torch.equal(outs[0], outs[1])
+    for a, b in zip(*grads):  # the weight gradient may be summed in another order (bf16 products)
+        assert a.dtype == b.dtype and torch.allclose(a, b, rtol=1e-2, atol=1e-2 * float(b.abs().max()))
+
+
+@pytest.mark.parametrize("n, k", [(64, 16), (16, 64), (32, 32)])
+def test_weight_gradient_layouts_give_the_product(n, k):
+    from attnmt.backends.onednn import _weight_grad
+
+    torch.manual_seed(10)
+    g, x = torch.randn(50, n, dtype=torch.float64), torch.randn(50, k, dtype=torch.float64)
+    out = _weight_grad(g, x)
+    assert out.shape == (n, k) and torch.allclose(out, g.t() @ x)
+
+
+@needs_native_bf16
+def test_bf16_inference_packs_every_linear_and_computes_what_the_bf16_model_computes():
+    from attnmt.backends.onednn import PackedLinear
+
+    model = _model().eval()
+    src, lengths, prev = _inputs()
+    with torch.inference_mode():
+        ref = model.to(torch.bfloat16)(src, lengths, prev)
+        prepared = CpuBackend(CPU, "bf16").prepare_inference(model)
+        assert sum(type(m) is PackedLinear for m in prepared.modules()) > 10
+        assert not any(type(m) in (Linear, torch.nn.Linear) for m in prepared.modules())
+        assert torch.equal(prepared(src, lengths, prev), ref)
+        lin = Linear(64, 96).to(torch.bfloat16)
+        x = torch.randn(2, 37, 64).to(torch.bfloat16)
+        assert torch.equal(PackedLinear(lin)(x, relu=True), torch.relu(lin(x)))
+
+
+def test_bf16_inference_without_native_bf16_is_a_plain_cast(no_native_bf16):
+    model = CpuBackend(CPU, "bf16").prepare_inference(_model().eval())
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert sum(type(m) is Linear for m in model.modules()) > 10
+
+
+def test_int8_inference_quantizes_every_linear_and_stays_close():
+    model = _model().eval()
+    src, lengths, prev = _inputs()
+    with torch.no_grad():
+        ref = model(src, lengths, prev)
+        q = CpuBackend(CPU, "fp32").prepare_inference(model, "int8")
+        assert not any(type(m) in (Linear, torch.nn.Linear) for m in q.modules())
+        assert sum(type(m) is Int8Linear for m in q.modules()) > 10
+        out = q(src, lengths, prev)
+        layer = Int8Linear(Linear(8, 4))
+        assert torch.equal(layer(torch.ones(2, 8), relu=True), F.relu(layer(torch.ones(2, 8))))
+    assert float((out - ref).abs().max() / ref.abs().max()) < 0.1
+    with pytest.raises(UserError, match="alternatives"):
+        CpuBackend(CPU, "bf16").prepare_inference(_model().eval(), "int8")
+
+
+def test_row_buckets_are_the_cpus_only():
+    assert [padded_rows(n) for n in (1, 8, 9, 100, 129)] == [8, 8, 16, 104, 144]
+    assert all(padded_rows(n) >= n and padded_rows(n) - n <= max(7, n // 8) for n in range(1, 3000))
+    assert CpuBackend(CPU).row_bucket(9) == 16
+    assert Backend(torch.device("meta")).row_bucket(9) == 9 and type(backend_for("meta")) is Backend
+
+
+def test_process_settings_apply_once_and_respect_the_user():
+    code = ("import os, json; os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'] = '77'\n"
+            "from attnmt.backends import configure_process\n"
+            "first = configure_process('train', 'cpu'); second = configure_process('train', 'cpu')\n"
+            "gen = configure_process('generate', 'cpu')\n"
+            "print(json.dumps([first, second, gen, os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY']]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    first, second, gen, capacity = json.loads(out)
+    assert first["onednn_primitive_cache_capacity"] == "77" and capacity == "77" and second == {}
+    if sys.platform.startswith("linux"):
+        assert first["malloc_keep_freed"] is True and gen["malloc_keep_freed"] is True
