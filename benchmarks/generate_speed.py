@@ -152,10 +152,12 @@ def worker(args) -> dict:
     """Runs in the subprocess of one attnmt mode; returns its measurements."""
     import torch
 
+    from attnmt.backends import configure_process
     from attnmt.generation.generator import GenerationConfig
     from attnmt.generation.search import SearchConfig
     from attnmt.inference import load_generator
 
+    configure_process("generate", "cpu")  # as attnmt generate does
     mode = args.worker
     search_cfg = SearchConfig(beam=args.beam, lenpen=args.lenpen, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
                               early_stop=args.worker_early_stop)

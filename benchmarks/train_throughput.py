@@ -19,8 +19,14 @@ the cold one is printed too. Reported:
   encoder parameters (non-embedding) x source tokens + (decoder parameters (non-embedding) + the output
   projection V x d) x target tokens, plus the attention products (QK^T and AV: 2 x 2 x length x d per token
   per attention layer, x3). Padding and the softmax/LayerNorm/elementwise work are not counted;
-* ``% of peak``: that rate over the measured peak of one large ``torch.matmul`` (4096^3) in the same dtype on
-  the same threads, the best a dense GEMM achieves on this machine.
+* ``% of peak``: that rate over the measured peak of one large dense product (4096^3) in the same dtype on the
+  same threads, the best a dense GEMM achieves on this machine: the faster of ``torch.matmul`` (MKL for fp32) and
+  oneDNN's inner product (which runs AVX-512 on AMD CPUs, where MKL keeps to AVX2).
+
+attnmt runs as ``attnmt train`` sets it up: the CPU backend's process settings, the model prepared by the backend
+(``attnmt/backends``), precision ``auto`` resolved from the CPU. The first line names the CPU and whether it
+computes bf16 natively; ``ONEDNN_MAX_CPU_ISA=AVX2 ATTNMT_CPU_BF16=0 ATEN_CPU_CAPABILITY=avx2`` makes a machine
+with AVX-512 or AMX measure as an AVX2 CPU.
 
 fairseq (``--fairseq-venv VENV``, a virtualenv with fairseq 0.12.2). DATA_BIN's train and valid splits are
 written back to text with DATA_BIN's own dictionary (the same SentencePiece pieces) and binarized with
@@ -62,15 +68,22 @@ COMPARED_ARCH = "transformer_small"  # the attnmt architecture identical to FAIR
 
 
 def gemm_peak(dtype: torch.dtype, n: int = 4096, reps: int = 5) -> float:
-    """FLOP/s of a large square matmul (best of ``reps``)."""
+    """FLOP/s of a large square product (best of ``reps``), by torch.matmul and by oneDNN's inner product."""
     a = torch.randn(n, n, dtype=dtype)
     b = torch.randn(n, n, dtype=dtype)
-    torch.matmul(a, b)
+    products = [lambda: torch.matmul(a, b)]
+    try:
+        torch.ops.mkldnn._linear_pointwise(a[:64], b, None, "none", [], "")
+        products.append(lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], ""))
+    except (AttributeError, RuntimeError):  # no oneDNN, or no bf16 in it on this CPU
+        pass
     best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        torch.matmul(a, b)
-        best = min(best, time.perf_counter() - t)
+    for product in products:
+        product()
+        for _ in range(reps):
+            t = time.perf_counter()
+            product()
+            best = min(best, time.perf_counter() - t)
     return 2 * n ** 3 / best
 
 
@@ -108,6 +121,7 @@ def model_flops(model, batch: dict) -> float:
 
 
 def run(data_bin: str, arch: str, precision: str, steps: int, warmup: int, max_tokens: int, seed: int) -> dict:
+    from attnmt.backends import backend_for
     from attnmt.criterions import LabelSmoothedCrossEntropyConfig
     from attnmt.optim import AdamConfig, InverseSqrtConfig, build_adam, build_lr_scheduler
     from attnmt.tasks.translation import TranslationConfig, TranslationTask
@@ -118,6 +132,7 @@ def run(data_bin: str, arch: str, precision: str, steps: int, warmup: int, max_t
     task = TranslationTask(TranslationConfig(), data_bin)
     name, cfg, _ = task.model_config(arch, {})
     model = task.build_model(name, cfg)
+    backend_for("cpu", precision).prepare_training(model)  # as attnmt train does, before the optimizer
     crit = task.build_criterion("label_smoothed_cross_entropy", LabelSmoothedCrossEntropyConfig())
     sched = build_lr_scheduler("inverse_sqrt", InverseSqrtConfig())
     trainer = Trainer(model, crit, build_adam(AdamConfig(), model.parameters(), lr=7e-4), sched,
@@ -223,7 +238,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("data_bin", help="a DATA_BIN written by attnmt preprocess (e.g. Multi30k)")
     ap.add_argument("--archs", default="transformer_small,transformer")
-    ap.add_argument("--precisions", default="fp32,bf16")
+    ap.add_argument("--precisions", default="fp32,auto",
+                    help="comma-separated: fp32, bf16 (needs native bf16), auto (bf16 where native)")
     ap.add_argument("--steps", type=int, default=10, help="timed updates per setting (each timed twice)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed updates first")
     ap.add_argument("--max-tokens", type=int, default=4096)
@@ -236,12 +252,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fairseq-precisions", default="fp32,bf16", help="fairseq modes to run (bf16: --bf16)")
     ap.add_argument("--workdir", default=None, help="keep fairseq data and logs here instead of a temp directory")
     args = ap.parse_args(argv)
+    from attnmt.backends import configure_process, cpu, resolve_precision
+    from attnmt.errors import UserError
     from attnmt.registry import load_builtins
 
     load_builtins()
+    configure_process("train", "cpu")
     if args.threads:
         torch.set_num_threads(args.threads)
-    precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
+    print(f"CPU: {cpu().describe()}", file=sys.stderr)
+    precisions = []
+    for p in [p.strip() for p in args.precisions.split(",") if p.strip()]:
+        try:
+            resolved = resolve_precision(p, torch.device("cpu"))  # auto -> bf16 or fp32; bf16 without native: error
+        except UserError as e:
+            sys.exit(f"--precisions {p}: {e}")
+        if resolved not in precisions:
+            precisions.append(resolved)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     peaks = {p: gemm_peak(dtypes[p], args.gemm_size) for p in precisions}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; GEMM peak ({args.gemm_size}^3 matmul): "
