@@ -73,13 +73,18 @@ def test_model_linear_contract(relu):
     assert torch.equal(layer(x, relu=relu), F.relu(y) if relu else y)
 
 
-def test_fp32_training_keeps_the_plain_layers_and_sets_the_attention_kernel():
+def test_fp32_training_layers_and_attention_kernel(monkeypatch):
+    from attnmt.backends.onednn import TrainingLinear
     from attnmt.models.linear import AttentionKernel
 
+    monkeypatch.setenv("ATTNMT_CPU_ONEDNN_FP32", "0")
     model = _model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     CpuBackend(CPU, "fp32").prepare_training(model, "auto")
-    assert sum(type(m) is Linear for m in model.modules()) > 10
+    assert sum(type(m) is Linear for m in model.modules()) > 10  # MKL
+    monkeypatch.setenv("ATTNMT_CPU_ONEDNN_FP32", "1")
+    CpuBackend(CPU, "fp32").prepare_training(model, "auto")
+    assert sum(type(m) is TrainingLinear for m in model.modules()) > 10  # oneDNN
     kernels = [m for m in model.modules() if isinstance(m, AttentionKernel)]
     assert kernels and all(m.plain_attention_max_len == 256 for m in kernels)
     CpuBackend(CPU, "fp32").prepare_training(model, "flash")
@@ -104,17 +109,54 @@ def test_bf16_training_without_native_bf16_keeps_plain_layers(no_native_bf16):
     assert sum(type(m) is Linear for m in model.modules()) > 10
 
 
-@needs_native_bf16
-def test_bf16_training_swaps_fused_layers_with_the_same_parameters_and_outputs():
-    from attnmt.backends.onednn import Bf16TrainingLinear
+@pytest.mark.parametrize("weight_grad", [False, True])
+@pytest.mark.parametrize("relu", [False, True])
+def test_fp32_onednn_training_linear_equals_the_plain_layer(relu, weight_grad):
+    from attnmt.backends.onednn import TrainingLinear
 
+    torch.manual_seed(4)
+    layer = Linear(16, 24)
+    fused = TrainingLinear(layer, torch.float32, onednn_backward=True, onednn_weight_grad=weight_grad)
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    g = torch.randn(3, 5, 24)
+    outs, grads = [], []
+    for module in (fused, layer):
+        y = module(x, relu=relu)
+        y.backward(g)
+        outs.append(y)
+        grads.append([t.grad.clone() for t in (x, layer.weight, layer.bias)])
+        for t in (x, layer.weight, layer.bias):
+            t.grad = None
+    assert outs[0].dtype == torch.float32 and torch.allclose(outs[0], outs[1], atol=1e-5)
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-4)
+
+
+def test_fp32_onednn_inference_computes_what_the_plain_model_computes(monkeypatch):
+    from attnmt.backends.onednn import PackedLinear
+
+    monkeypatch.setenv("ATTNMT_CPU_ONEDNN_FP32", "1")
+    model = _model().eval()
+    src, lengths, prev = _inputs()
+    with torch.inference_mode():
+        ref = model(src, lengths, prev)
+        prepared = CpuBackend(CPU, "fp32").prepare_inference(model)
+        assert sum(type(m) is PackedLinear for m in prepared.modules()) > 10
+        assert torch.allclose(prepared(src, lengths, prev), ref, atol=1e-4)
+
+
+@needs_native_bf16
+def test_bf16_training_swaps_fused_layers_with_the_same_parameters_and_outputs(monkeypatch):
+    from attnmt.backends.onednn import TrainingLinear
+
+    monkeypatch.setenv("ATTNMT_CPU_ONEDNN_FP32", "0")
     model, plain = _model(), _model()
     params = {id(p) for p in model.parameters()}
     keys = model.state_dict().keys()
     backend = CpuBackend(CPU, "bf16")
     backend.prepare_training(model)
     CpuBackend(CPU, "fp32").prepare_training(plain)  # same attention choice, plain layers
-    assert sum(type(m) is Bf16TrainingLinear for m in model.modules()) > 10
+    assert sum(type(m) is TrainingLinear for m in model.modules()) > 10
     assert {id(p) for p in model.parameters()} == params and model.state_dict().keys() == keys
     src, lengths, prev = _inputs()
     with torch.no_grad(), backend.autocast():
@@ -125,11 +167,11 @@ def test_bf16_training_swaps_fused_layers_with_the_same_parameters_and_outputs()
 @pytest.mark.parametrize("relu", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
 def test_fused_training_linear_equals_nn_linear_under_bf16_autocast(relu, bias):
-    from attnmt.backends.onednn import Bf16TrainingLinear
+    from attnmt.backends.onednn import TrainingLinear
 
     torch.manual_seed(9)
     layer = Linear(16, 24, bias=bias)
-    fused = Bf16TrainingLinear(layer)
+    fused = TrainingLinear(layer, torch.bfloat16)
     x = torch.randn(3, 5, 16, requires_grad=True)
     g = torch.randn(3, 5, 24)
     outs, grads = [], []
@@ -174,7 +216,8 @@ def test_bf16_inference_packs_every_linear_and_computes_what_the_bf16_model_comp
         assert torch.equal(PackedLinear(lin)(x, relu=True), torch.relu(lin(x)))
 
 
-def test_bf16_inference_without_native_bf16_is_a_plain_cast(no_native_bf16):
+def test_bf16_inference_without_native_bf16_is_a_plain_cast(no_native_bf16, monkeypatch):
+    monkeypatch.setenv("ATTNMT_CPU_ONEDNN_FP32", "0")
     model = CpuBackend(CPU, "bf16").prepare_inference(_model().eval())
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     assert sum(type(m) is Linear for m in model.modules()) > 10
@@ -189,8 +232,12 @@ def test_int8_inference_quantizes_every_linear_and_stays_close():
         assert not any(type(m) in (Linear, torch.nn.Linear) for m in q.modules())
         assert sum(type(m) is Int8Linear for m in q.modules()) > 10
         out = q(src, lengths, prev)
-        layer = Int8Linear(Linear(8, 4))
-        assert torch.equal(layer(torch.ones(2, 8), relu=True), F.relu(layer(torch.ones(2, 8))))
+        lin = Linear(64, 48)
+        x = torch.randn(5, 64)
+        for reduce_range in (True, False):
+            layer = Int8Linear(lin, reduce_range)
+            assert torch.equal(layer(x, relu=True), F.relu(layer(x)))
+            assert float((layer(x) - lin(x)).abs().max() / lin(x).abs().max()) < 0.05
     assert float((out - ref).abs().max() / ref.abs().max()) < 0.1
     with pytest.raises(UserError, match="alternatives"):
         CpuBackend(CPU, "bf16").prepare_inference(_model().eval(), "int8")

@@ -1,7 +1,8 @@
 """oneDNN linear layers for the CPU in bf16: the bias and the ReLU inside the matrix product, weights prepacked.
 
-Only used where the CPU runs bf16 natively (``capabilities.cpu().fused_linear``): without AMX or AVX-512 BF16,
-oneDNN cannot create these primitives at all. Both modules keep the model's linear contract,
+Used for bf16 where the CPU runs it natively (``capabilities.cpu().fused_linear``: without AMX or AVX-512 BF16,
+oneDNN cannot create the bf16 primitives at all), and for fp32 where oneDNN's kernels outrun MKL's
+(``capabilities.cpu().onednn_fp32``: CPUs not made by Intel, where MKL keeps to AVX2). Both modules keep the model's linear contract,
 ``forward(x, relu=False)`` (``attnmt/models/linear.py``), and the original ``weight`` and ``bias`` parameters, so
 a swapped model saves and loads the same state dict and the optimizer keeps its parameters.
 
@@ -23,35 +24,48 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
+def _product(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b^T`` through oneDNN's inner product (both operands made contiguous)."""
+    return torch.ops.mkldnn._linear_pointwise(a.contiguous(), b.contiguous(), None, "none", [], "")
+
+
 class _LinearPointwise(torch.autograd.Function):
-    """``act(x W^T + b)`` with ``act`` "none" or "relu", in ``dtype``; gradients in the inputs' dtypes."""
+    """``act(x W^T + b)`` with ``act`` "none" or "relu", in ``dtype``; gradients in the inputs' dtypes.
+
+    ``onednn_backward``: the two backward products through oneDNN as well (fp32 on CPUs where oneDNN outruns
+    MKL; in bf16, ``torch.mm`` already runs oneDNN); ``onednn_weight_grad``: the weight gradient too, which needs
+    transposed copies of both operands and pays off only with AVX-512."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, relu: bool, dtype: torch.dtype) -> Tensor:
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, relu: bool, dtype: torch.dtype,
+                onednn_backward: bool = False, onednn_weight_grad: bool = False) -> Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).to(dtype)
         w = weight.to(dtype)
         b = bias.to(dtype) if bias is not None else None
         y = torch.ops.mkldnn._linear_pointwise(x2, w, b, "relu" if relu else "none", [], "")
         ctx.save_for_backward(x2, w, y if relu else None)
-        ctx.meta = (shape, x.dtype, weight.dtype, None if bias is None else bias.dtype, relu)
+        ctx.meta = (shape, x.dtype, weight.dtype, None if bias is None else bias.dtype, relu, onednn_backward,
+                    onednn_weight_grad)
         return y.view(*shape[:-1], w.size(0))
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         x2, w, y = ctx.saved_tensors
-        shape, x_dtype, w_dtype, b_dtype, relu = ctx.meta
+        shape, x_dtype, w_dtype, b_dtype, relu, onednn_backward, onednn_weight_grad = ctx.meta
         g = grad.reshape(-1, w.size(0)).to(w.dtype)
         if relu:
             g = torch.ops.aten.threshold_backward(g, y, 0)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch.mm(g, w).view(shape).to(x_dtype)
+            gx = _product(g, w.t()) if onednn_backward else torch.mm(g, w)
+            grad_x = gx.view(shape).to(x_dtype)
         if ctx.needs_input_grad[1]:
-            grad_w = _weight_grad(g, x2).to(w_dtype)
+            gw = _product(g.t(), x2.t()) if onednn_weight_grad else _weight_grad(g, x2)
+            grad_w = gw.to(w_dtype)
         if b_dtype is not None and ctx.needs_input_grad[2]:
             grad_b = g.sum(0).to(b_dtype)
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 def _weight_grad(g: Tensor, x: Tensor) -> Tensor:
@@ -65,30 +79,36 @@ def _weight_grad(g: Tensor, x: Tensor) -> Tensor:
     return torch.mm(g.t(), x)
 
 
-class Bf16TrainingLinear(nn.Module):
-    """A linear layer trained in bf16 with fp32 master weights: the product, bias and ReLU in one oneDNN call.
+class TrainingLinear(nn.Module):
+    """A linear layer trained through oneDNN: the product, bias and ReLU in one call, in ``dtype``.
 
-    Computes what ``nn.Linear`` computes under CPU bf16 autocast (bitwise, forward), whether or not autocast is
-    on: the backend swaps it in only for bf16 training, where every forward runs under autocast anyway.
+    bf16 (fp32 master weights): computes what ``nn.Linear`` computes under CPU bf16 autocast (bitwise, forward),
+    whether or not autocast is on: the backend swaps it in only for bf16 training, where every forward runs under
+    autocast anyway. fp32: what ``nn.Linear`` computes, up to the summation order of oneDNN's kernels;
+    ``onednn_backward``/``onednn_weight_grad`` as in :class:`_LinearPointwise`.
     """
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype = torch.bfloat16, onednn_backward: bool = False,
+                 onednn_weight_grad: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
+        self.dtype, self.onednn_backward, self.onednn_weight_grad = dtype, onednn_backward, onednn_weight_grad
 
     def forward(self, x: Tensor, relu: bool = False) -> Tensor:
         with torch.autocast("cpu", enabled=False):
-            return _LinearPointwise.apply(x, self.weight, self.bias, relu, torch.bfloat16)
+            return _LinearPointwise.apply(x, self.weight, self.bias, relu, self.dtype, self.onednn_backward,
+                                          self.onednn_weight_grad)
 
 
 class PackedLinear(nn.Module):
-    """A linear layer for bf16 inference with its weight reordered once into oneDNN's blocked layout.
+    """A linear layer for inference with its weight reordered once into oneDNN's blocked layout (bf16; fp32 where
+    oneDNN outruns MKL).
 
     ``nn.Linear`` repacks its weight for every product; a decoding step is dozens of small products (a few
     hundred rows), for which that packing is a large share: with the weight packed once, oneDNN's inner product
     was 10-45% faster on the decoder's shapes (AMX), with bitwise the same results. ``weight`` and ``bias`` stay as
-    they were (bf16). ``relu=True`` applies the ReLU inside the product (the feed-forward's first layer).
+    they were. ``relu=True`` applies the ReLU inside the product (the feed-forward's first layer).
     """
 
     def __init__(self, linear: nn.Linear):
