@@ -75,8 +75,16 @@ _BLOCK_ELEMENTS = 1 << 18  # logits per block and thread: 1 MB in fp32, so a blo
 _PROJECTION_ELEMENTS = 1 << 25  # logits per block of the fused output projection (64 MB in bf16)
 
 
-def _row_blocks(n: int, vocab: int):
-    step = max(1, _BLOCK_ELEMENTS * torch.get_num_threads() // max(vocab, 1))
+def cpu_block_elements() -> int:
+    """Logits per block on the CPU: L2-cache-sized blocks for every thread (the CPU backend's choice)."""
+    return _BLOCK_ELEMENTS * torch.get_num_threads()
+
+
+def _row_blocks(n: int, vocab: int, block_elements: int | None):
+    """Row slices of at most ``block_elements`` logits (None: the CPU's default; 0: all rows at once)."""
+    if block_elements is None:
+        block_elements = cpu_block_elements()
+    step = max(1, block_elements // max(vocab, 1)) if block_elements > 0 else max(n, 1)
     for i in range(0, n, step):
         yield slice(i, min(i + step, n))
 
@@ -96,12 +104,13 @@ class _Scratch:
 
 
 def _loss_rows(logits: torch.Tensor, target: torch.Tensor, epsilon: float, lp_y: torch.Tensor,
-               lp_sum: torch.Tensor, grad: torch.Tensor | None, scratch: _Scratch) -> None:
+               lp_sum: torch.Tensor, grad: torch.Tensor | None, scratch: _Scratch,
+               block_elements: int | None = None) -> None:
     """For logits (R, V), L2-cache-sized block by block: ``lp_y`` (R, 1) = log p(y), ``lp_sum`` (R, 1) =
     sum_v log p(v) (fp32), and when ``grad`` (R, V) is given, ``grad = p - eps / V`` (the target's
     ``- (1 - eps)`` is left to the caller)."""
     n, vocab = logits.shape
-    for rows in _row_blocks(n, vocab):
+    for rows in _row_blocks(n, vocab, block_elements):
         lp = torch.log_softmax(scratch.fp32(logits[rows]), dim=-1)
         torch.gather(lp, 1, target[rows, None], out=lp_y[rows])
         if epsilon:
@@ -140,12 +149,12 @@ class _SmoothedNLL(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, target, weight, epsilon: float):
+    def forward(ctx, logits, target, weight, epsilon: float, block_elements: int | None = None):
         n, vocab = logits.shape
         lp_y = torch.empty(n, 1, dtype=torch.float32, device=logits.device)
         lp_sum = torch.empty(n, 1, dtype=torch.float32, device=logits.device)
         grad = torch.empty_like(logits) if ctx.needs_input_grad[0] else None  # d loss / d logits
-        _loss_rows(logits, target, epsilon, lp_y, lp_sum, grad, _Scratch())
+        _loss_rows(logits, target, epsilon, lp_y, lp_sum, grad, _Scratch(), block_elements)
         if grad is not None:
             _add_at_targets(grad, target, -(1.0 - epsilon))
             if weight is not None:
@@ -169,7 +178,7 @@ class _SmoothedNLL(torch.autograd.Function):
             if weight is not None:
                 extra.mul_(weight.to(extra.dtype)[:, None])
             out += extra
-        return out, None, None, None
+        return out, None, None, None, None
 
 
 class _ProjectedSmoothedNLL(torch.autograd.Function):
@@ -186,7 +195,7 @@ class _ProjectedSmoothedNLL(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, weight, target, epsilon: float, dtype):
+    def forward(ctx, h, weight, target, epsilon: float, dtype, block_elements: int | None = None):
         n, _ = h.shape
         vocab = weight.size(0)
         hc, wc = h.to(dtype), weight.to(dtype)
@@ -202,7 +211,7 @@ class _ProjectedSmoothedNLL(torch.autograd.Function):
                 rows = slice(i, min(i + step, n))
                 logits = torch.mm(hc[rows], wc.t())  # (R, V)
                 g = grad[rows] if grad is not None else None
-                _loss_rows(logits, target[rows], epsilon, lp_y[rows], lp_sum[rows], g, scratch)
+                _loss_rows(logits, target[rows], epsilon, lp_y[rows], lp_sum[rows], g, scratch, block_elements)
                 if g is not None:
                     _add_at_targets(g, target[rows], -(1.0 - epsilon))
                     torch.mm(g, wc, out=grad_h[rows])
@@ -237,7 +246,7 @@ class _ProjectedSmoothedNLL(torch.autograd.Function):
                     d_w.index_add_(0, target, hc.float(), alpha=-g_nll * eps)
         d_h = d_h.to(h_dtype) if d_h is not None else None
         d_w = d_w.to(w_dtype) if d_w is not None else None
-        return d_h, d_w, None, None, None
+        return d_h, d_w, None, None, None, None
 
 
 def label_smoothed_nll_loss(lprobs: torch.Tensor, target: torch.Tensor, epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,8 +266,8 @@ def label_smoothed_nll_loss(lprobs: torch.Tensor, target: torch.Tensor, epsilon:
     return loss, nll_sum
 
 
-def smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, pad: int,
-                           epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
+def smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, pad: int, epsilon: float,
+                           block_elements: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss sum, NLL sum) of ``logits`` (N, V), any float dtype, against ``target`` (N,); padding rows ignored.
 
     The same value as :func:`label_smoothed_nll_loss` on ``log_softmax(logits.float())`` of the non-padding rows,
@@ -267,25 +276,32 @@ def smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, pad: int,
     logits = logits.contiguous()
     keep = target.ne(pad)
     if bool(keep.all()):  # the training path: padding rows were never projected
-        return _SmoothedNLL.apply(logits, target, None, float(epsilon))
-    return _SmoothedNLL.apply(logits, target.masked_fill(~keep, 0), keep.float(), float(epsilon))
+        return _SmoothedNLL.apply(logits, target, None, float(epsilon), block_elements)
+    return _SmoothedNLL.apply(logits, target.masked_fill(~keep, 0), keep.float(), float(epsilon), block_elements)
 
 
-def projected_smoothed_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                                     epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
+def projected_smoothed_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, epsilon: float,
+                                     block_elements: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss sum, NLL sum) of the logits ``h @ weight.T`` for features ``h`` (N, D), projection ``weight`` (V, D)
     and ``target`` (N,) (no padding rows), without materializing the (N, V) logits: see
     :class:`_ProjectedSmoothedNLL`. Under autocast the products run in the autocast dtype."""
     device = h.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
-    return _ProjectedSmoothedNLL.apply(h, weight, target, float(epsilon), dtype)
+    return _ProjectedSmoothedNLL.apply(h, weight, target, float(epsilon), dtype, block_elements)
 
 
-def _loss(model, batch, pad: int, epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _loss(model, batch, pad: int, epsilon: float, block_elements: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     kind, *outputs = _model_outputs(model, batch, pad)
     if kind == "features":
-        return projected_smoothed_cross_entropy(*outputs, epsilon)
-    return smoothed_cross_entropy(*outputs, pad, epsilon)
+        return projected_smoothed_cross_entropy(*outputs, epsilon, block_elements)
+    return smoothed_cross_entropy(*outputs, pad, epsilon, block_elements)
+
+
+class BlockedLoss:
+    """Mixin of criterions that go through the logits in blocks of ``block_elements`` (set by the backend:
+    cache-sized blocks per CPU thread on the CPU, the whole batch at once on a GPU; None: the CPU's default)."""
+
+    block_elements: int | None = None
 
 
 def _logging(loss: torch.Tensor, nll: torch.Tensor, batch) -> dict:
@@ -299,7 +315,7 @@ def _logging(loss: torch.Tensor, nll: torch.Tensor, batch) -> dict:
 
 
 @register("criterion", "label_smoothed_cross_entropy", config=LabelSmoothedCrossEntropyConfig)
-class LabelSmoothedCrossEntropy:
+class LabelSmoothedCrossEntropy(BlockedLoss):
     """Cross-entropy against label-smoothed targets (paper 5.4, eps = 0.1); padding ignored."""
 
     def __init__(self, cfg: LabelSmoothedCrossEntropyConfig, pad: int):
@@ -307,12 +323,12 @@ class LabelSmoothedCrossEntropy:
         self.pad = pad
 
     def __call__(self, model, batch) -> tuple[torch.Tensor, dict]:
-        loss, nll = _loss(model, batch, self.pad, self.cfg.label_smoothing)
+        loss, nll = _loss(model, batch, self.pad, self.cfg.label_smoothing, self.block_elements)
         return loss, _logging(loss, nll, batch)
 
 
 @register("criterion", "cross_entropy", config=CrossEntropyConfig)
-class CrossEntropy:
+class CrossEntropy(BlockedLoss):
     """Plain token-level cross-entropy (negative log-likelihood); padding ignored."""
 
     def __init__(self, cfg: CrossEntropyConfig, pad: int):
@@ -320,7 +336,7 @@ class CrossEntropy:
         self.pad = pad
 
     def __call__(self, model, batch) -> tuple[torch.Tensor, dict]:
-        loss, _ = _loss(model, batch, self.pad, 0.0)
+        loss, _ = _loss(model, batch, self.pad, 0.0, self.block_elements)
         return loss, _logging(loss, loss, batch)
 
 

@@ -134,6 +134,7 @@ def run(data_bin: str, arch: str, precision: str, steps: int, warmup: int, max_t
     model = task.build_model(name, cfg)
     backend_for("cpu", precision).prepare_training(model)  # as attnmt train does, before the optimizer
     crit = task.build_criterion("label_smoothed_cross_entropy", LabelSmoothedCrossEntropyConfig())
+    backend_for("cpu", precision).prepare_criterion(crit)
     sched = build_lr_scheduler("inverse_sqrt", InverseSqrtConfig())
     trainer = Trainer(model, crit, build_adam(AdamConfig(), model.parameters(), lr=7e-4), sched,
                       device=torch.device("cpu"), precision=precision)

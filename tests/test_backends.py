@@ -261,3 +261,27 @@ def test_process_settings_apply_once_and_respect_the_user():
     assert first["onednn_primitive_cache_capacity"] == "77" and capacity == "77" and second == {}
     if sys.platform.startswith("linux"):
         assert first["malloc_keep_freed"] is True and gen["malloc_keep_freed"] is True
+
+
+def test_loss_blocks_are_the_backends_choice_and_change_no_number():
+    from attnmt.criterions import (
+        LabelSmoothedCrossEntropy,
+        LabelSmoothedCrossEntropyConfig,
+        cpu_block_elements,
+        smoothed_cross_entropy,
+    )
+
+    crit = LabelSmoothedCrossEntropy(LabelSmoothedCrossEntropyConfig(0.1), 1)
+    CpuBackend(CPU).prepare_criterion(crit)
+    assert crit.block_elements == cpu_block_elements()
+    Backend(torch.device("meta")).prepare_criterion(crit)
+    assert crit.block_elements == 0  # GPUs: the whole batch at once
+    torch.manual_seed(5)
+    logits, target = torch.randn(37, 50, requires_grad=True), torch.randint(2, 50, (37,))
+    results = []
+    for block in (None, 0, 60):  # default, one block, 1-2 rows per block
+        loss, nll = smoothed_cross_entropy(logits, target, 1, 0.1, block)
+        (grad,) = torch.autograd.grad(loss + nll, logits)
+        results.append((loss.detach(), nll.detach(), grad))
+    for other in results[1:]:
+        assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(results[0], other))

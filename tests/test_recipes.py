@@ -38,9 +38,16 @@ def assert_png(path: Path) -> None:
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
 
 
+@pytest.mark.precision
 def test_multi30k_recipe_smoke(tmp_path):
-    run_recipe("multi30k_en_de", tmp_path, "multi30k", TRAIN_LINES="300", MAX_UPDATE="4", MAX_TIME_MINUTES="5",
+    """The README's main job on a slice; CI runs it again as on a CPU without native bf16 (fp32 throughout)."""
+    r = run_recipe("multi30k_en_de", tmp_path, "multi30k", TRAIN_LINES="300", MAX_UPDATE="4", MAX_TIME_MINUTES="5",
                EXTRA_TRAIN_ARGS=TINY, GEN_ARGS=SHORT, AVG="2")
+    start = json.loads((tmp_path / "work" / "checkpoints" / "train.jsonl").read_text().splitlines()[0])
+    from conftest import NATIVE_BF16
+
+    assert start["type"] == "start" and start["precision"] == ("bf16" if NATIVE_BF16 else "fp32"), start
+    assert "Traceback" not in r.stderr
     out = tmp_path / "work" / "results"
     for split in ("val", "test_2016_flickr", "test_2017_flickr"):
         result = json.loads((out / f"{split}.bleu.json").read_text())

@@ -49,6 +49,17 @@ class Backend:
         "auto", "math" (plain matmul-softmax-matmul) or "flash" (fused kernels)."""
         return model
 
+    def prepare_criterion(self, criterion) -> None:
+        """Tune a criterion that goes through the logits in blocks (``criterions.BlockedLoss``) for this device."""
+        from attnmt.criterions import BlockedLoss
+
+        if isinstance(criterion, BlockedLoss):
+            criterion.block_elements = self.loss_block_elements()
+
+    def loss_block_elements(self) -> int | None:
+        """Logits per block of the loss (0: the whole batch at once; None: the CPU's default)."""
+        return 0
+
     def prepare_inference(self, model: nn.Module, quantize: str = "none") -> nn.Module:
         """Make ``model`` (on the device, eval mode) translate fast here; returns it (cast, packed, quantized)."""
         if quantize != "none":

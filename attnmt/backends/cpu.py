@@ -159,6 +159,11 @@ class CpuBackend(Backend):
     def row_bucket(self, rows: int) -> int:
         return padded_rows(rows)
 
+    def loss_block_elements(self) -> int | None:
+        from attnmt.criterions import cpu_block_elements
+
+        return cpu_block_elements()  # L2-cache-sized blocks per thread
+
     def configure_process(self, mode: Mode) -> dict:
         if mode in _configured:
             return {}

@@ -501,6 +501,7 @@ def _train(data_bin, setup: Setup, cfg: TrainConfig, extra_validators, dist_cfg:
     backend = backend_for(device, precision)
     backend.prepare_training(model, cfg.cpu_attention)  # before the optimizer and DDP see the modules
     criterion = task.build_criterion(setup.criterion, setup.criterion_cfg)
+    backend.prepare_criterion(criterion)
     lr_scheduler = build_lr_scheduler(setup.lr_scheduler, setup.lr_scheduler_cfg)
     optimizer = build_optimizer(setup.optimizer, setup.optimizer_cfg, model.parameters(),
                                 lr=getattr(setup.lr_scheduler_cfg, "lr", 1e-3))
