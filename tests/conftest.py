@@ -19,3 +19,17 @@ def no_native_bf16(monkeypatch):
     yield
     monkeypatch.delenv(capabilities.BF16_SWITCH)
     capabilities.cpu.cache_clear()
+
+
+@pytest.fixture
+def cpu_env(monkeypatch):
+    """``cpu_env(NAME=value, ...)``: set environment variables that the CPU detection reads, detect again."""
+
+    def apply(**env):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        capabilities.cpu.cache_clear()
+
+    yield apply
+    monkeypatch.undo()
+    capabilities.cpu.cache_clear()

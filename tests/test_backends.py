@@ -73,16 +73,16 @@ def test_model_linear_contract(relu):
     assert torch.equal(layer(x, relu=relu), F.relu(y) if relu else y)
 
 
-def test_fp32_training_layers_and_attention_kernel(monkeypatch):
+def test_fp32_training_layers_and_attention_kernel(cpu_env):
     from attnmt.backends.onednn import TrainingLinear
     from attnmt.models.linear import AttentionKernel
 
-    monkeypatch.setenv("ATTNMT_CPU_ONEDNN_FP32", "0")
+    cpu_env(ATTNMT_CPU_ONEDNN_FP32="0")
     model = _model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     CpuBackend(CPU, "fp32").prepare_training(model, "auto")
     assert sum(type(m) is Linear for m in model.modules()) > 10  # MKL
-    monkeypatch.setenv("ATTNMT_CPU_ONEDNN_FP32", "1")
+    cpu_env(ATTNMT_CPU_ONEDNN_FP32="1")
     CpuBackend(CPU, "fp32").prepare_training(model, "auto")
     assert sum(type(m) is TrainingLinear for m in model.modules()) > 10  # oneDNN
     kernels = [m for m in model.modules() if isinstance(m, AttentionKernel)]
@@ -132,10 +132,10 @@ def test_fp32_onednn_training_linear_equals_the_plain_layer(relu, weight_grad):
         assert torch.allclose(a, b, atol=1e-4)
 
 
-def test_fp32_onednn_inference_computes_what_the_plain_model_computes(monkeypatch):
+def test_fp32_onednn_inference_computes_what_the_plain_model_computes(cpu_env):
     from attnmt.backends.onednn import PackedLinear
 
-    monkeypatch.setenv("ATTNMT_CPU_ONEDNN_FP32", "1")
+    cpu_env(ATTNMT_CPU_ONEDNN_FP32="1")
     model = _model().eval()
     src, lengths, prev = _inputs()
     with torch.inference_mode():
@@ -146,10 +146,10 @@ def test_fp32_onednn_inference_computes_what_the_plain_model_computes(monkeypatc
 
 
 @needs_native_bf16
-def test_bf16_training_swaps_fused_layers_with_the_same_parameters_and_outputs(monkeypatch):
+def test_bf16_training_swaps_fused_layers_with_the_same_parameters_and_outputs(cpu_env):
     from attnmt.backends.onednn import TrainingLinear
 
-    monkeypatch.setenv("ATTNMT_CPU_ONEDNN_FP32", "0")
+    cpu_env(ATTNMT_CPU_ONEDNN_FP32="0")
     model, plain = _model(), _model()
     params = {id(p) for p in model.parameters()}
     keys = model.state_dict().keys()
@@ -216,8 +216,7 @@ def test_bf16_inference_packs_every_linear_and_computes_what_the_bf16_model_comp
         assert torch.equal(PackedLinear(lin)(x, relu=True), torch.relu(lin(x)))
 
 
-def test_bf16_inference_without_native_bf16_is_a_plain_cast(no_native_bf16, monkeypatch):
-    monkeypatch.setenv("ATTNMT_CPU_ONEDNN_FP32", "0")
+def test_bf16_inference_without_native_bf16_is_a_plain_cast(no_native_bf16):
     model = CpuBackend(CPU, "bf16").prepare_inference(_model().eval())
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     assert sum(type(m) is Linear for m in model.modules()) > 10

@@ -36,6 +36,7 @@ class CpuCapabilities:
     onednn: bool  # PyTorch was built with oneDNN (mkldnn)
     onednn_bf16: bool  # oneDNN reports bf16 support (honours ONEDNN_MAX_CPU_ISA)
     switched_off: bool  # ATTNMT_CPU_BF16=0
+    onednn_fp32_choice: str = ""  # ATTNMT_CPU_ONEDNN_FP32: "1" or "0" overrides the CPU-based choice
 
     @property
     def bf16_hardware(self) -> str | None:
@@ -72,7 +73,10 @@ class CpuCapabilities:
     def onednn_fp32(self) -> bool:
         """fp32 linear layers run faster through oneDNN than through MKL: on CPUs not made by Intel, where MKL
         keeps to its AVX2 code (CTranslate2 makes the same choice). Measured on an AMD EPYC (Zen 5, 2 threads,
-        (4032 x 512) x (512 x 2048)): 20 ms instead of 44 ms for linear + ReLU; capped at AVX2, 37 ms."""
+        (4032 x 512) x (512 x 2048)): 20 ms instead of 44 ms for linear + ReLU; capped at AVX2, 37 ms.
+        ``ATTNMT_CPU_ONEDNN_FP32=0|1`` overrides the choice."""
+        if self.onednn_fp32_choice in ("0", "1"):
+            return self.onednn and self.onednn_fp32_choice == "1"
         return self.onednn and self.vendor not in ("", "GenuineIntel") and hasattr(torch.ops.mkldnn,
                                                                                   "_linear_pointwise")
 
@@ -143,7 +147,8 @@ def cpu() -> CpuCapabilities:
     except (AttributeError, RuntimeError):
         isa = "unknown"
     return CpuCapabilities(name=name, vendor=vendor, isa=isa, flags=flags, onednn=onednn, onednn_bf16=onednn_bf16,
-                           switched_off=os.environ.get(BF16_SWITCH, "").strip() == "0")
+                           switched_off=os.environ.get(BF16_SWITCH, "").strip() == "0",
+                           onednn_fp32_choice=os.environ.get("ATTNMT_CPU_ONEDNN_FP32", "").strip())
 
 
 def cuda_bf16(device: torch.device) -> bool:

@@ -118,9 +118,6 @@ class CpuBackend(Backend):
         if precision == "fp16":
             raise UserError("--fp16 needs a CUDA GPU; on the CPU use --precision auto")
         self.caps = capabilities.cpu()
-        # fp32 linear layers through oneDNN (ATTNMT_CPU_ONEDNN_FP32=0/1 overrides the CPU-based choice)
-        choice = os.environ.get("ATTNMT_CPU_ONEDNN_FP32", "").strip()
-        self.onednn_fp32 = self.caps.onednn_fp32 if choice not in ("0", "1") else choice == "1"
 
     def prepare_training(self, model: nn.Module, attention: str = "auto") -> nn.Module:
         limits = {"auto": PLAIN_ATTENTION_MAX_LEN, "math": 1 << 30, "flash": 0}
@@ -131,7 +128,7 @@ class CpuBackend(Backend):
 
         if self.precision == "bf16" and self.caps.fused_linear:
             swap_linears(model, lambda m: TrainingLinear(m, torch.bfloat16), (Linear,))
-        elif self.precision == "fp32" and self.onednn_fp32:
+        elif self.precision == "fp32" and self.caps.onednn_fp32:
             avx512 = self.caps.onednn_avx512
             swap_linears(model, lambda m: TrainingLinear(m, torch.float32, onednn_backward=True,
                                                          onednn_weight_grad=avx512), (Linear,))
@@ -152,7 +149,7 @@ class CpuBackend(Backend):
             model = model.to(torch.bfloat16)  # once, instead of autocast casting at every step
             if self.caps.fused_linear:
                 swap_linears(model, PackedLinear, (Linear, nn.Linear))
-        elif self.onednn_fp32:
+        elif self.caps.onednn_fp32:
             swap_linears(model, PackedLinear, (Linear, nn.Linear))
         return model
 
