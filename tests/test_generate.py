@@ -412,7 +412,7 @@ def _bundle_sources(ckpt) -> list[list[int]]:
 
 def test_cli_generate_and_translate_with_workers(ckpt):
     stdin = "\n".join(SENTENCES) + "\n"
-    base = ["--path", str(ckpt), "--max-len-b", "12", "--max-tokens", "30"]
+    base = ["--path", str(ckpt), "--max-len-b", "12", "--max-tokens", "30", "--device", "cpu"]  # workers: CPU only
     plain, _ = run_cli(["generate", "--input", "-", *base], stdin)
     two, err = run_cli(["generate", "--input", "-", *base, "--workers", "2", "--threads", "2"], stdin)
     assert two == plain and "sentences/s" in err
