@@ -57,6 +57,7 @@ def test_multi30k_recipe_smoke(tmp_path):
     assert_png(out / "attention_1.png")
 
 
+@pytest.mark.precision
 def test_iwslt14_recipe_smoke(tmp_path):
     run_recipe("iwslt14_de_en", tmp_path, "iwslt14_de_en", TRAIN_LINES="300", MAX_UPDATE="4", MAX_TIME_MINUTES="5",
                EXTRA_TRAIN_ARGS=TINY + " --eval-bleu-max-len-a 0 --eval-bleu-max-len-b 4", GEN_ARGS=SHORT, AVG="2",
