@@ -1,6 +1,7 @@
-"""Shared test helpers: the CPU's bf16 support, detected once, and a switch that hides it."""
+"""Shared test helpers: the CPU's bf16 support, detected once, a switch that hides it, a tiny Transformer."""
 
 import pytest
+import torch
 
 from attnmt.backends import capabilities
 
@@ -33,3 +34,14 @@ def cpu_env(monkeypatch):
     yield apply
     monkeypatch.undo()
     capabilities.cpu.cache_clear()
+
+
+def tiny_transformer(seed: int = 0):
+    """A 2+2-layer Transformer (d 32, 4 heads, no dropout) over a joint 50-symbol vocabulary, padding index 1."""
+    from attnmt.models.transformer import TransformerConfig, TransformerModel
+
+    cfg = TransformerConfig(encoder_layers=2, decoder_layers=2, encoder_embed_dim=32, decoder_embed_dim=32,
+                            encoder_ffn_embed_dim=64, decoder_ffn_embed_dim=64, encoder_attention_heads=4,
+                            decoder_attention_heads=4, dropout=0.0)
+    torch.manual_seed(seed)
+    return TransformerModel.build(cfg, 50, 50, 1, joint_vocab=True)

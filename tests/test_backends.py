@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import NATIVE_BF16, needs_native_bf16
+from conftest import NATIVE_BF16, needs_native_bf16, tiny_transformer
 
 from attnmt.backends import backend_for, capabilities, resolve_precision
 from attnmt.backends.base import Backend
@@ -22,13 +22,7 @@ pytestmark = pytest.mark.precision
 
 
 def _model(seed=0):
-    from attnmt.models.transformer import TransformerConfig, TransformerModel
-
-    cfg = TransformerConfig(encoder_layers=2, decoder_layers=2, encoder_embed_dim=32, decoder_embed_dim=32,
-                            encoder_ffn_embed_dim=64, decoder_ffn_embed_dim=64, encoder_attention_heads=4,
-                            decoder_attention_heads=4, dropout=0.0)
-    torch.manual_seed(seed)
-    return TransformerModel.build(cfg, 50, 50, 1, joint_vocab=True)
+    return tiny_transformer(seed)
 
 
 def _inputs():

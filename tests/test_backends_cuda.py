@@ -3,6 +3,7 @@ and the same numbers as the CPU."""
 
 import pytest
 import torch
+from conftest import tiny_transformer
 
 from attnmt.backends import backend_for, resolve_precision
 from attnmt.backends.cuda import CudaBackend
@@ -12,13 +13,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def _model(seed=0):
-    from attnmt.models.transformer import TransformerConfig, TransformerModel
-
-    cfg = TransformerConfig(encoder_layers=2, decoder_layers=2, encoder_embed_dim=32, decoder_embed_dim=32,
-                            encoder_ffn_embed_dim=64, decoder_ffn_embed_dim=64, encoder_attention_heads=4,
-                            decoder_attention_heads=4, dropout=0.0)
-    torch.manual_seed(seed)
-    return TransformerModel.build(cfg, 50, 50, 1, joint_vocab=True)
+    return tiny_transformer(seed)
 
 
 def _inputs(device):
