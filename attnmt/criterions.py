@@ -195,7 +195,8 @@ class _ProjectedSmoothedNLL(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, weight, target, epsilon: float, dtype, block_elements: int | None = None):
+    def forward(ctx, h, weight, target, epsilon: float, dtype, block_elements: int | None = None,
+                onednn: bool = False):
         n, _ = h.shape
         vocab = weight.size(0)
         hc, wc = h.to(dtype), weight.to(dtype)
@@ -206,15 +207,23 @@ class _ProjectedSmoothedNLL(torch.autograd.Function):
         grad_h = torch.empty_like(hc) if need_grad else None  # G W (N, D)
         scratch = _Scratch()
         step = max(256, _PROJECTION_ELEMENTS // vocab)
+        onednn = onednn and dtype == torch.float32  # the backend's choice (CPUs where oneDNN outruns MKL)
+        wct = wc.t().contiguous() if onednn and need_grad else None
         with torch.autocast(h.device.type, enabled=False):
             for i in range(0, n, step):
                 rows = slice(i, min(i + step, n))
-                logits = torch.mm(hc[rows], wc.t())  # (R, V)
+                if onednn:
+                    logits = torch.ops.mkldnn._linear_pointwise(hc[rows].contiguous(), wc, None, "none", [], "")
+                else:
+                    logits = torch.mm(hc[rows], wc.t())  # (R, V)
                 g = grad[rows] if grad is not None else None
                 _loss_rows(logits, target[rows], epsilon, lp_y[rows], lp_sum[rows], g, scratch, block_elements)
                 if g is not None:
                     _add_at_targets(g, target[rows], -(1.0 - epsilon))
-                    torch.mm(g, wc, out=grad_h[rows])
+                    if onednn:
+                        grad_h[rows] = torch.ops.mkldnn._linear_pointwise(g, wct, None, "none", [], "")
+                    else:
+                        torch.mm(g, wc, out=grad_h[rows])
         ctx.save_for_backward(hc, wc, grad, grad_h, target)
         ctx.epsilon = epsilon
         ctx.dtypes = (h.dtype, weight.dtype)
@@ -246,7 +255,7 @@ class _ProjectedSmoothedNLL(torch.autograd.Function):
                     d_w.index_add_(0, target, hc.float(), alpha=-g_nll * eps)
         d_h = d_h.to(h_dtype) if d_h is not None else None
         d_w = d_w.to(w_dtype) if d_w is not None else None
-        return d_h, d_w, None, None, None, None
+        return d_h, d_w, None, None, None, None, None
 
 
 def label_smoothed_nll_loss(lprobs: torch.Tensor, target: torch.Tensor, epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -281,27 +290,31 @@ def smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, pad: int,
 
 
 def projected_smoothed_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, epsilon: float,
-                                     block_elements: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                     block_elements: int | None = None,
+                                     onednn: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss sum, NLL sum) of the logits ``h @ weight.T`` for features ``h`` (N, D), projection ``weight`` (V, D)
     and ``target`` (N,) (no padding rows), without materializing the (N, V) logits: see
     :class:`_ProjectedSmoothedNLL`. Under autocast the products run in the autocast dtype."""
     device = h.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
-    return _ProjectedSmoothedNLL.apply(h, weight, target, float(epsilon), dtype, block_elements)
+    return _ProjectedSmoothedNLL.apply(h, weight, target, float(epsilon), dtype, block_elements, onednn)
 
 
-def _loss(model, batch, pad: int, epsilon: float, block_elements: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _loss(model, batch, pad: int, epsilon: float, kernels: BlockedLoss) -> tuple[torch.Tensor, torch.Tensor]:
     kind, *outputs = _model_outputs(model, batch, pad)
     if kind == "features":
-        return projected_smoothed_cross_entropy(*outputs, epsilon, block_elements)
-    return smoothed_cross_entropy(*outputs, pad, epsilon, block_elements)
+        return projected_smoothed_cross_entropy(*outputs, epsilon, kernels.block_elements, kernels.onednn_projection)
+    return smoothed_cross_entropy(*outputs, pad, epsilon, kernels.block_elements)
 
 
 class BlockedLoss:
-    """Mixin of criterions that go through the logits in blocks of ``block_elements`` (set by the backend:
-    cache-sized blocks per CPU thread on the CPU, the whole batch at once on a GPU; None: the CPU's default)."""
+    """Mixin of criterions whose kernels the backend tunes: they go through the logits in blocks of
+    ``block_elements`` (cache-sized blocks per CPU thread on the CPU, the whole batch at once on a GPU; None: the
+    CPU's default), and with ``onednn_projection`` run the fp32 vocabulary projection's forward products through
+    oneDNN (CPUs where it outruns MKL)."""
 
     block_elements: int | None = None
+    onednn_projection: bool = False
 
 
 def _logging(loss: torch.Tensor, nll: torch.Tensor, batch) -> dict:
@@ -323,7 +336,7 @@ class LabelSmoothedCrossEntropy(BlockedLoss):
         self.pad = pad
 
     def __call__(self, model, batch) -> tuple[torch.Tensor, dict]:
-        loss, nll = _loss(model, batch, self.pad, self.cfg.label_smoothing, self.block_elements)
+        loss, nll = _loss(model, batch, self.pad, self.cfg.label_smoothing, self)
         return loss, _logging(loss, nll, batch)
 
 
@@ -336,7 +349,7 @@ class CrossEntropy(BlockedLoss):
         self.pad = pad
 
     def __call__(self, model, batch) -> tuple[torch.Tensor, dict]:
-        loss, _ = _loss(model, batch, self.pad, 0.0, self.block_elements)
+        loss, _ = _loss(model, batch, self.pad, 0.0, self)
         return loss, _logging(loss, loss, batch)
 
 

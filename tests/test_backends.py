@@ -278,3 +278,26 @@ def test_loss_blocks_are_the_backends_choice_and_change_no_number():
         results.append((loss.detach(), nll.detach(), grad))
     for other in results[1:]:
         assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(results[0], other))
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_onednn_vocabulary_projection_gives_the_same_loss_and_gradients(eps):
+    from attnmt.criterions import projected_smoothed_cross_entropy
+
+    torch.manual_seed(6)
+    h, w = torch.randn(40, 16, requires_grad=True), torch.randn(97, 16, requires_grad=True)
+    t = torch.randint(0, 97, (40,))
+    results = []
+    for onednn in (False, True):
+        loss, nll = projected_smoothed_cross_entropy(h, w, t, eps, None, onednn)
+        grads = torch.autograd.grad(loss + 0.5 * nll, (h, w))
+        results.append((loss.detach(), nll.detach(), *grads))
+    assert all(torch.allclose(a, b, atol=1e-4, rtol=1e-5) for a, b in zip(*results))
+    crit_backend = CpuBackend(CPU, "fp32")
+    from attnmt.criterions import LabelSmoothedCrossEntropy, LabelSmoothedCrossEntropyConfig
+
+    crit = LabelSmoothedCrossEntropy(LabelSmoothedCrossEntropyConfig(0.1), 1)
+    crit_backend.prepare_criterion(crit)
+    assert crit.onednn_projection == capabilities.cpu().onednn_fp32
+    CpuBackend(CPU, "bf16" if NATIVE_BF16 else "fp32").prepare_criterion(crit)
+    assert crit.onednn_projection == (not NATIVE_BF16 and capabilities.cpu().onednn_fp32)

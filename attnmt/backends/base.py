@@ -55,6 +55,11 @@ class Backend:
 
         if isinstance(criterion, BlockedLoss):
             criterion.block_elements = self.loss_block_elements()
+            criterion.onednn_projection = self.onednn_projection()
+
+    def onednn_projection(self) -> bool:
+        """The fp32 vocabulary projection of the loss runs through oneDNN rather than ``torch.mm``."""
+        return False
 
     def loss_block_elements(self) -> int | None:
         """Logits per block of the loss (0: the whole batch at once; None: the CPU's default)."""

@@ -161,6 +161,9 @@ class CpuBackend(Backend):
 
         return cpu_block_elements()  # L2-cache-sized blocks per thread
 
+    def onednn_projection(self) -> bool:
+        return self.precision == "fp32" and self.caps.onednn_fp32
+
     def configure_process(self, mode: Mode) -> dict:
         if mode in _configured:
             return {}
