@@ -13,16 +13,6 @@ needs_native_bf16 = pytest.mark.skipif(
 
 
 @pytest.fixture
-def no_native_bf16(monkeypatch):
-    """Run the test as on a CPU without native bf16 (ATTNMT_CPU_BF16=0), in this process and its children."""
-    monkeypatch.setenv(capabilities.BF16_SWITCH, "0")
-    capabilities.cpu.cache_clear()
-    yield
-    monkeypatch.delenv(capabilities.BF16_SWITCH)
-    capabilities.cpu.cache_clear()
-
-
-@pytest.fixture
 def cpu_env(monkeypatch):
     """``cpu_env(NAME=value, ...)``: set environment variables that the CPU detection reads, detect again."""
 
@@ -45,3 +35,9 @@ def tiny_transformer(seed: int = 0):
                             decoder_attention_heads=4, dropout=0.0)
     torch.manual_seed(seed)
     return TransformerModel.build(cfg, 50, 50, 1, joint_vocab=True)
+
+
+@pytest.fixture
+def no_native_bf16(cpu_env):
+    """Run the test as on a CPU without native bf16 (ATTNMT_CPU_BF16=0), in this process and its children."""
+    cpu_env(**{capabilities.BF16_SWITCH: "0"})

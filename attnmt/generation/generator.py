@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 
 from attnmt.backends import backend_for
+from attnmt.backends.precision import requested_precision
 from attnmt.errors import UserError
 from attnmt.generation.search import Hypothesis, SearchConfig, Symbols, search
 
@@ -54,10 +55,7 @@ class GenerationConfig:
             raise ValueError(f"--threads must not be negative, got {self.threads}")
         if self.workers < 1:
             raise ValueError(f"--workers must be positive, got {self.workers}")
-        if self.bf16:
-            if self.precision not in ("fp32", "bf16"):
-                raise ValueError(f"--bf16 and --precision {self.precision} disagree; give one of them")
-            self.precision = "bf16"
+        self.precision = requested_precision(self.precision, self.bf16)
         if self.precision == "bf16" and self.quantize != "none":
             raise ValueError("--bf16 and --quantize int8 are alternatives; choose one")
 

@@ -543,7 +543,7 @@ def _train(data_bin, setup: Setup, cfg: TrainConfig, extra_validators, dist_cfg:
         elif cfg.finetune_from:
             _finetune(Path(cfg.finetune_from), trainer, data_state, log)
 
-        _report_start(log, task, setup, cfg, model, itr, skipped, valid_sets, device, precision, notes)
+        _report_start(log, task, setup, cfg, model, itr, skipped, valid_sets, trainer.backend, notes)
         if cfg.world_size > 1:
             log.info(f"processes: {cfg.world_size} ({distributed.choose_backend(device, dist_cfg.distributed_backend)}"
                      f", one per {'GPU' if device.type == 'cuda' else 'CPU share'}), each on its own shard of the "
@@ -561,14 +561,13 @@ def _train(data_bin, setup: Setup, cfg: TrainConfig, extra_validators, dist_cfg:
 
 
 def _report_start(log: RunLog, task, setup: Setup, cfg: TrainConfig, model, itr, skipped: Skipped, valid_sets,
-                  device, precision, notes) -> None:
+                  backend, notes) -> None:
     n = model.num_parameters() if hasattr(model, "num_parameters") else sum(p.numel() for p in model.parameters())
     train = itr.batches
     n_train = sum(len(b) for b in train)
-    backend = backend_for(device, precision)
     log.info(f"model: {setup.arch} ({n:,} parameters); {backend.describe()}, {torch.get_num_threads()} CPU threads")
-    log.record({"type": "start", "arch": setup.arch, "parameters": n, "device": str(device), "precision": precision,
-                "hardware": backend.describe(), "threads": torch.get_num_threads()})
+    log.record({"type": "start", "arch": setup.arch, "parameters": n, "device": str(backend.device),
+                "precision": backend.precision, "hardware": backend.describe(), "threads": torch.get_num_threads()})
     for note in notes:
         log.info(f"model: {note}")
     log.info(f"data: {task.data_bin} {task.src_lang}->{task.tgt_lang}, dictionaries {len(task.src_dict)}/"
