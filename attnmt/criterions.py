@@ -14,12 +14,12 @@ Logged figures follow fairseq's convention so that numbers can be compared with 
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass, field
 
 import torch
 
+from attnmt.models.interface import unwrap
 from attnmt.registry import register
 
 LN2 = math.log(2.0)
@@ -40,35 +40,14 @@ class CrossEntropyConfig:
     pass
 
 
-def _forward_takes(model, name: str) -> bool:
-    """Whether the model (or the one inside a DDP wrapper) has keyword ``name`` in its forward."""
-    inner = getattr(model, "module", model)
-    try:
-        return name in inspect.signature(inner.forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def _model_outputs(model, batch, pad: int):
-    """What the loss is computed from, for the non-padding target positions whenever the model can select them:
-
-    * ``("features", h (N, D), W (V, D), target (N,))`` when the model returns the features before its output
-      projection and exposes that projection's weight (``TransformerModel``): projection and loss are then fused;
-    * ``("logits", logits (N, V), target (N,))`` otherwise (padding rows included for models without
-      ``output_mask``).
-    """
+def _model_outputs(model, batch, pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The decoder features h (N, D) of the N non-padding target positions, the output projection W (V, D) and
+    the targets (N,): the loss fuses the projection to the vocabulary (``model`` may be wrapped for DDP)."""
     net = batch["net_input"]
     target = batch["target"]
-    inner = getattr(model, "module", model)
-    if _forward_takes(model, "output_mask"):
-        keep = target.ne(pad)
-        args = (net["src_tokens"], net["src_lengths"], net["prev_output_tokens"])
-        if _forward_takes(model, "features_only") and hasattr(inner, "output_projection_weight"):
-            h = model(*args, output_mask=keep, features_only=True)  # (N, D)
-            return "features", h, inner.output_projection_weight(), target[keep]
-        return "logits", model(*args, output_mask=keep), target[keep]  # (N, V), (N,)
-    logits = model(net["src_tokens"], net["src_lengths"], net["prev_output_tokens"])  # (B, T, V)
-    return "logits", logits.reshape(-1, logits.size(-1)), target.reshape(-1)
+    keep = target.ne(pad)
+    h = model(net["src_tokens"], net["src_lengths"], net["prev_output_tokens"], output_mask=keep, features_only=True)
+    return h, unwrap(model).output_projection_weight(), target[keep]
 
 
 _BLOCK_ELEMENTS = 1 << 18  # logits per block and thread: 1 MB in fp32, so a block's passes stay in the L2 cache
@@ -301,10 +280,9 @@ def projected_smoothed_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targ
 
 
 def _loss(model, batch, pad: int, epsilon: float, kernels: BlockedLoss) -> tuple[torch.Tensor, torch.Tensor]:
-    kind, *outputs = _model_outputs(model, batch, pad)
-    if kind == "features":
-        return projected_smoothed_cross_entropy(*outputs, epsilon, kernels.block_elements, kernels.onednn_projection)
-    return smoothed_cross_entropy(*outputs, pad, epsilon, kernels.block_elements)
+    h, weight, target = _model_outputs(model, batch, pad)
+    return projected_smoothed_cross_entropy(h, weight, target, epsilon, kernels.block_elements,
+                                            kernels.onednn_projection)
 
 
 class BlockedLoss:

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from attnmt.errors import UserError
 from attnmt.generation.search import Symbols
+from attnmt.models.interface import EncoderDecoderModel, build_model
 
 BUNDLE_FILE = "model.pt"
 
@@ -25,7 +25,7 @@ BUNDLE_FILE = "model.pt"
 class InferenceBundle:
     """A model ready to translate, with what turns text into its ids and its ids back into text."""
 
-    model: nn.Module
+    model: EncoderDecoderModel
     src_dict: Any  # attnmt.data.dictionary.Dictionary
     tgt_dict: Any
     src_pipeline: Any  # attnmt.data.subword.TextPipeline: raw source line -> pieces
@@ -41,9 +41,8 @@ class InferenceBundle:
     def symbols(self) -> Symbols:
         return Symbols.from_dictionary(self.tgt_dict)
 
-    def max_source_positions(self) -> int | None:
-        fn = getattr(self.model, "max_positions", None)
-        return int(fn()[0]) if callable(fn) else None
+    def max_source_positions(self) -> int:
+        return int(self.model.max_positions()[0])
 
     def encode_source(self, line: str) -> list[int]:
         """A raw source line -> ids (final EOS included), segmented as the training data was."""
@@ -121,7 +120,7 @@ def build_pipelines(data: dict, path: Path):
     return src, tgt
 
 
-def build_model(ckpt: dict, src_dict, tgt_dict, path: Path) -> nn.Module:
+def model_from_checkpoint(ckpt: dict, src_dict, tgt_dict, path: Path) -> EncoderDecoderModel:
     """The registered model of the checkpoint with its weights, in eval mode."""
     from attnmt import registry
     from attnmt.config import config_from_dict
@@ -130,10 +129,9 @@ def build_model(ckpt: dict, src_dict, tgt_dict, path: Path) -> nn.Module:
     if not name or "model" not in ckpt or "model_config" not in ckpt:
         raise UserError(f"{path}: the checkpoint lacks model_name/model_config/model; use a file written by "
                         f"attnmt train or attnmt average-checkpoints")
-    entry = registry.get("model", name)
-    cfg = config_from_dict(entry.config, ckpt["model_config"])
-    model = entry.obj.build(cfg, len(src_dict), len(tgt_dict), src_dict.pad(),
-                            joint_vocab=bool(ckpt["data"].get("joint_dictionary", False)))
+    cfg = config_from_dict(registry.get("model", name).config, ckpt["model_config"])
+    model = build_model(name, cfg, len(src_dict), len(tgt_dict), src_dict.pad(),
+                        joint_vocab=bool(ckpt["data"].get("joint_dictionary", False)))
     try:
         model.load_state_dict(ckpt["model"], strict=True)
     except RuntimeError as e:
@@ -160,7 +158,7 @@ def load_for_inference(path: str | os.PathLike, device: str | torch.device = "cp
         if want and d.checksum() != want:
             raise UserError(f"{p}: the stored {side} dictionary does not match its checksum; the file is corrupt")
     src_pipe, tgt_pipe = build_pipelines(data, p)
-    model = build_model(ckpt, src_dict, tgt_dict, p)
+    model = model_from_checkpoint(ckpt, src_dict, tgt_dict, p)
     dev = device if isinstance(device, torch.device) else resolve_device(device)
     model.to(dev)
     train = ckpt.get("train") or {}

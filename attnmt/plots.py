@@ -231,15 +231,12 @@ def _check_source_length(bundle, ids: list[int]) -> None:
 def cross_attention_dump(bundle, source: str, reference: str | None = None, search_cfg: Any = None) -> AttentionDump:
     """Translate ``source`` with ``search_cfg`` (or force ``reference``) and take the model's attention weights.
 
-    ``bundle`` is an ``attnmt.inference.InferenceBundle``; its model must provide ``cross_attention_weights``.
+    ``bundle`` is an ``attnmt.inference.InferenceBundle``.
     """
     from attnmt.generation.generator import Generator, collate
     from attnmt.generation.search import SearchConfig
 
     model = bundle.model
-    if not callable(getattr(model, "cross_attention_weights", None)):
-        raise UserError(f"{bundle.path}: the model ({type(model).__name__}) does not expose encoder-decoder "
-                        f"attention weights (cross_attention_weights); attention plots need a Transformer checkpoint")
     if not source.strip():
         raise UserError("--input is empty; give the source sentence to translate, e.g. --input \"A man rides a bike.\"")
     src_ids = bundle.encode_source(source)
@@ -260,8 +257,8 @@ def cross_attention_dump(bundle, source: str, reference: str | None = None, sear
             raise UserError("the search found no translation of --input within its length limit; raise "
                             "--max-len-b or pass --reference")
         tgt_ids, score = list(hyps[0].tokens), float(hyps[0].score)
-    limit = getattr(model, "max_positions", lambda: (None, None))()[1]
-    if limit is not None and len(tgt_ids) > limit:
+    limit = model.max_positions()[1]
+    if len(tgt_ids) > limit:
         raise UserError(f"--reference: the target has {len(tgt_ids)} tokens but the model accepts at most {limit}; "
                         f"shorten it")
     eos = bundle.symbols.eos

@@ -57,6 +57,17 @@ class TableModel:
         cache["h"] = h
         return self.table[h][:, None, :]
 
+    def decode_features(self, prev_output_tokens, enc, cache=None):
+        return self.decode(prev_output_tokens, enc, cache)  # features = logits ...
+
+    @staticmethod
+    def output_layer(features):
+        return features  # ... and the identity projection
+
+    @staticmethod
+    def max_positions():
+        return 1024, 1024
+
     @staticmethod
     def reorder(enc, cache, new_order, sentences=None):
         if sentences is None and cache["beam"] == 1:

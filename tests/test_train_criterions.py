@@ -19,14 +19,19 @@ PAD = 1
 
 
 class FixedLogits(torch.nn.Module):
-    """A 'model' returning given logits (the criterion only calls forward)."""
+    """A 'model' with given logits: its features are the logits and its output projection the identity, which
+    reproduces them exactly (the criterion calls only ``forward`` and ``output_projection_weight``)."""
 
     def __init__(self, logits):
         super().__init__()
         self.logits = logits
 
-    def forward(self, src_tokens, src_lengths, prev_output_tokens):
-        return self.logits
+    def forward(self, src_tokens, src_lengths, prev_output_tokens, output_mask=None, features_only=False):
+        assert features_only
+        return self.logits[output_mask]
+
+    def output_projection_weight(self):
+        return torch.eye(self.logits.size(-1))
 
 
 def _batch(target):

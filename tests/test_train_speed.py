@@ -94,27 +94,23 @@ def test_output_mask_selects_rows_of_the_full_logits():
     assert torch.allclose(every, full.reshape(-1, 50), atol=1e-6)
 
 
-class _FullLogitsOnly(torch.nn.Module):
-    """The same model seen through a forward without ``output_mask``: the criterion projects every position."""
+def test_criterion_with_fused_projection_equals_full_logits_loss_and_gradients():
+    """The criterion's fused projection + loss over the selected positions = the reference formula applied to
+    the model's full teacher-forced logits: same loss, NLL and parameter gradients."""
+    from attnmt.criterions import label_smoothed_nll_loss
 
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, src_tokens, src_lengths, prev_output_tokens):
-        return self.model(src_tokens, src_lengths, prev_output_tokens)
-
-
-def test_criterion_with_selected_positions_equals_full_logits_loss_and_gradients():
     crit = LabelSmoothedCrossEntropy(LabelSmoothedCrossEntropyConfig(0.1), PAD)
     b = _batch()
+    net = b["net_input"]
     a_model, b_model = _model(), _model()
     a_model.eval(), b_model.eval()
     loss_a, log_a = crit(a_model, b)
-    loss_b, log_b = crit(_FullLogitsOnly(b_model), b)
+    full = b_model(net["src_tokens"], net["src_lengths"], net["prev_output_tokens"])  # (B, T, V)
+    keep = b["target"].ne(PAD)
+    loss_b, nll_b = label_smoothed_nll_loss(torch.log_softmax(full[keep], -1), b["target"][keep], 0.1)
     loss_a.backward()
     loss_b.backward()
-    assert torch.allclose(loss_a, loss_b, rtol=1e-5) and torch.allclose(log_a["nll_loss"], log_b["nll_loss"], rtol=1e-5)
+    assert torch.allclose(loss_a, loss_b, rtol=1e-5) and torch.allclose(log_a["nll_loss"], nll_b, rtol=1e-5)
     for (name, pa), pb in zip(a_model.named_parameters(), b_model.parameters()):
         assert torch.allclose(pa.grad, pb.grad, atol=1e-6), name
 

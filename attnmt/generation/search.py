@@ -1,7 +1,8 @@
 """Search over target sequences: beam search, greedy decoding and sampling.
 
-All three drive a model through the incremental-decoding interface (``encode``, ``decode`` with a cache,
-``new_cache``, ``reorder``) and return, per source sentence, a list of finished :class:`Hypothesis` sorted best
+All three drive a model through its incremental-decoding interface (``encode``, ``decode_features`` +
+``output_layer`` or ``decode`` with a cache, ``new_cache``, ``reorder``, ``max_positions``: see
+:class:`attnmt.models.interface.EncoderDecoderModel`) and return, per source sentence, a list of finished :class:`Hypothesis` sorted best
 first.
 
 Scores
@@ -35,15 +36,15 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Literal
 
 import torch
 from torch import Tensor
 
+from attnmt.models.interface import EncoderDecoderModel, RowBucket
+
 NEG_INF = float("-inf")
-RowBucket = Callable[[int], int]
 
 
 @dataclass
@@ -117,25 +118,6 @@ class Hypothesis:
     @property
     def logprob(self) -> float:
         return float(sum(self.positional_scores))
-
-
-class IncrementalModel(Protocol):
-    """What the search needs from a model (the Transformer provides it).
-
-    ``new_cache(beam, row_bucket)``: ``decode`` then takes ``beam`` consecutive rows (hypotheses) per sentence of
-    ``enc``, and pads each call's rows to ``row_bucket(rows)`` (None: no padding; the backend's choice).
-    ``reorder(enc, cache, new_order, sentences)``: row ``r`` of the next step continues current row
-    ``new_order[r]``; ``sentences`` are the current sentences that stay (None: all; with beam 1, where rows are
-    sentences, ``new_order`` itself, which may also repeat rows).
-    """
-
-    def encode(self, src_tokens: Tensor, src_lengths: Tensor) -> Any: ...
-
-    def decode(self, prev_output_tokens: Tensor, enc: Any, cache: Any = None) -> Tensor: ...
-
-    def new_cache(self, beam: int = 1, row_bucket: RowBucket | None = None) -> Any: ...
-
-    def reorder(self, enc: Any, cache: Any, new_order: Tensor, sentences: Tensor | None = None) -> tuple[Any, Any]: ...
 
 
 # ------------------------------------------------------------------------------------------------ scoring
@@ -295,17 +277,12 @@ def next_token_extensions(model, tokens: Tensor, step: int, enc, cache, max_len:
     """Decode one step and return ``best_extensions`` of every sentence under the search's rules.
 
     ``tokens`` (R, T): column ``step`` holds each row's newest token; ``max_len`` (R,): per-row limits; ``scores``
-    (R,): cumulative log-probabilities; ``beam`` consecutive rows per sentence. A model with
-    ``decode_features``/``output_layer`` is projected to the vocabulary about ``SCORE_BLOCK_ROWS`` rows (whole
-    sentences) at a time: 400 sentences x beam 4 would otherwise build 60 MB of logits and as much of
+    (R,): cumulative log-probabilities; ``beam`` consecutive rows per sentence. The decoder features are
+    projected to the vocabulary (``output_layer``) about ``SCORE_BLOCK_ROWS`` rows (whole sentences) at a time: 400 sentences x beam 4 would otherwise build 60 MB of logits and as much of
     log-probabilities per step, memory that is mapped afresh and zeroed by the kernel at every step; small
     blocks are reused and stay in cache. Each sentence's numbers are the same either way.
     """
     prev = tokens[:, step:step + 1]
-    if not hasattr(model, "output_layer"):
-        logits = model.decode(prev, enc, cache)[:, -1]
-        lprobs = step_log_probs(logits, step, max_len, tokens[:, 1:step + 1], cfg, sym, keep_bf16=True)
-        return best_extensions(lprobs, scores, beam, cfg.unkpen >= 0)
     feats = model.decode_features(prev, enc, cache)[:, -1]  # (R, D)
     rows = max(1, SCORE_BLOCK_ROWS // beam) * beam
     parts = []
@@ -365,12 +342,8 @@ def _finalize(finished: _Finished, kth_best: Tensor, sent_ids: list[int], local:
 # ------------------------------------------------------------------------------------------------ searches
 
 
-def _max_target_positions(model) -> int | None:
-    fn = getattr(model, "max_positions", None)
-    if fn is None:
-        return None
-    mp = fn() if callable(fn) else fn
-    return int(mp[1]) if isinstance(mp, (tuple, list)) else int(mp)
+def _max_target_positions(model: EncoderDecoderModel) -> int:
+    return int(model.max_positions()[1])
 
 
 def _start(model, src_tokens: Tensor, src_lengths: Tensor, copies: int, row_bucket: RowBucket | None):
@@ -383,7 +356,7 @@ def _start(model, src_tokens: Tensor, src_lengths: Tensor, copies: int, row_buck
     return enc, cache
 
 
-def search(model: IncrementalModel, src_tokens: Tensor, src_lengths: Tensor, cfg: SearchConfig, sym: Symbols,
+def search(model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: Tensor, cfg: SearchConfig, sym: Symbols,
            sample_ids: Tensor | None = None, row_bucket: RowBucket | None = None) -> list[list[Hypothesis]]:
     """Translate a batch of right-padded sources; per sentence, its ``cfg.nbest`` hypotheses, best first.
 
@@ -399,7 +372,7 @@ def search(model: IncrementalModel, src_tokens: Tensor, src_lengths: Tensor, cfg
 
 
 @torch.inference_mode()
-def beam_search(model: IncrementalModel, src_tokens: Tensor, src_lengths: Tensor, cfg: SearchConfig,
+def beam_search(model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: Tensor, cfg: SearchConfig,
                 sym: Symbols, row_bucket: RowBucket | None = None) -> list[list[Hypothesis]]:
     """Beam search with the GNMT length penalty and a per-sentence, exact early stop.
 
@@ -463,7 +436,7 @@ def beam_search(model: IncrementalModel, src_tokens: Tensor, src_lengths: Tensor
 
 
 @torch.inference_mode()
-def greedy_search(model: IncrementalModel, src_tokens: Tensor, src_lengths: Tensor, cfg: SearchConfig,
+def greedy_search(model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: Tensor, cfg: SearchConfig,
                   sym: Symbols, row_bucket: RowBucket | None = None) -> list[list[Hypothesis]]:
     """Beam search with beam 1, without the beam bookkeeping: the same arithmetic, so exactly the same output.
 
@@ -560,7 +533,7 @@ def _filter_logits(logits: Tensor, topk: int, topp: float) -> Tensor:
 
 
 @torch.inference_mode()
-def sample_search(model: IncrementalModel, src_tokens: Tensor, src_lengths: Tensor, cfg: SearchConfig, sym: Symbols,
+def sample_search(model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: Tensor, cfg: SearchConfig, sym: Symbols,
                   sample_ids: Tensor | None = None, row_bucket: RowBucket | None = None) -> list[list[Hypothesis]]:
     """Draw ``cfg.beam`` samples per sentence (Gumbel-max over the filtered, tempered distribution).
 

@@ -31,6 +31,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from attnmt.models.interface import DecoderCache, LayerCache, RowBucket
+
 # compact the buffers once the live sentences are at most this fraction of the buffered ones
 COMPACT_FRACTION = 0.5
 INITIAL_CAPACITY = 16  # positions in the self-attention buffers at first
@@ -64,10 +66,10 @@ def _bias(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
-class LayerCache:
-    """One decoder layer's keys/values; the layout and masks are shared through its ``DecoderCache``."""
+class SlotLayerCache(LayerCache):
+    """One decoder layer's keys/values; the layout and masks are shared through its ``SlotCache``."""
 
-    def __init__(self, owner: DecoderCache):
+    def __init__(self, owner: SlotCache):
         self.owner = owner
         self.k: Tensor | None = None  # (N, H, capacity * beam, Dh): slot s * beam + j = position s of row j
         self.v: Tensor | None = None
@@ -148,18 +150,18 @@ class LayerCache:
             self.cross_v = self.cross_v.index_select(0, sentences)
 
 
-class DecoderCache:
+class SlotCache(DecoderCache):
     """Per-layer keys/values for step-by-step decoding; ``length``: target tokens decoded so far.
 
     ``beam``: rows per sentence. The decoder is called with ``beam`` consecutive rows per live sentence of the
     encoder output (see the module docstring); ``beam`` 1 means one row per sentence.
     """
 
-    def __init__(self, num_layers: int, beam: int = 1, row_bucket: Callable[[int], int] | None = None):
+    def __init__(self, num_layers: int, beam: int = 1, row_bucket: RowBucket | None = None):
         if beam < 1:
             raise ValueError(f"beam must be at least 1, got {beam}")
         self.row_bucket = row_bucket  # rows -> the row count a decoder call is padded to (None: no padding)
-        self.layers = [LayerCache(self) for _ in range(num_layers)]
+        self.layers: list[LayerCache] = [SlotLayerCache(self) for _ in range(num_layers)]
         self.length = 0
         self.beam = beam
         self.buffered = 0  # sentences in the buffers (and in the encoder output that goes with them)
@@ -173,6 +175,19 @@ class DecoderCache:
         self._biases: dict[tuple[str, torch.dtype], Tensor | None] = {}  # the masks above, as additive biases
 
     # -------------------------------------------------------------------------------- per call
+
+    def prepare(self, x: Tensor, memory: Tensor, memory_padding: Tensor,
+                mask_of: Callable[[Tensor], Tensor | None]) -> tuple[Tensor, Tensor | None]:
+        """Start a decoder call on ``x`` (R, T, D): the memory mask (made on the first call and after a
+        compaction), this call's self-attention mask, and ``x`` padded to the row bucket."""
+        if not self.memory_mask_ready:
+            self.set_memory(memory.size(0), mask_of(memory_padding))
+        self.begin(x.size(0), x.size(1), x.device)
+        return self.pad_rows(x), self.memory_mask
+
+    def advance(self, x: Tensor, new_tokens: int, rows: int) -> Tensor:
+        self.length += new_tokens
+        return x[:rows]
 
     def set_memory(self, buffered: int, memory_mask: Tensor | None) -> None:
         """The encoder output the buffers go with: its sentence count and padding mask (first call, compaction)."""

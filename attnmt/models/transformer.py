@@ -26,7 +26,6 @@ Residual blocks are post-norm as in the paper, ``LayerNorm(x + Dropout(Sublayer(
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -36,7 +35,8 @@ from torch import Tensor, nn
 from attnmt.errors import UserError
 from attnmt.models.dropout import Dropout
 from attnmt.models.dropout import dropout as dropout_weights
-from attnmt.models.incremental import DecoderCache, LayerCache
+from attnmt.models.incremental import SlotCache
+from attnmt.models.interface import DecoderCache, EncoderDecoderModel, LayerCache, RowBucket
 from attnmt.models.linear import AttentionKernel, Linear
 from attnmt.registry import register, register_arch
 
@@ -521,18 +521,13 @@ class TransformerDecoder(nn.Module):
         x = self.embed(prev_output_tokens, start)  # (B, T, D)
         if cache is None:
             memory_mask = key_padding_mask(enc.padding_mask)  # (B, 1, 1, S) or None
-        else:
-            if not cache.memory_mask_ready:  # first step, or the cache was compacted with the encoder output
-                cache.set_memory(enc.out.size(0), key_padding_mask(enc.padding_mask))
-            memory_mask = cache.memory_mask
-            cache.begin(prev_output_tokens.size(0), prev_output_tokens.size(1), prev_output_tokens.device)
-            x = cache.pad_rows(x)  # to the backend's row bucket (the CPU's oneDNN builds a kernel per shape)
+        else:  # the cache's masks; x padded to the backend's row bucket
+            x, memory_mask = cache.prepare(x, enc.out, enc.padding_mask, key_padding_mask)
         layer_caches = [None] * len(self.layers) if cache is None else cache.layers
         for layer, layer_cache in zip(self.layers, layer_caches):
             x = layer(x, enc.out, memory_mask, layer_cache, start)
         if cache is not None:
-            cache.length += prev_output_tokens.size(1)
-            x = x[: prev_output_tokens.size(0)]
+            x = cache.advance(x, prev_output_tokens.size(1), prev_output_tokens.size(0))
         if self.final_norm is not None:
             x = self.final_norm(x)
         if output_mask is not None:  # (N, D): padding positions never reach the (large) output projection
@@ -560,7 +555,7 @@ class TransformerDecoder(nn.Module):
 
 
 @register("model", "transformer", config=TransformerConfig)
-class TransformerModel(nn.Module):
+class TransformerModel(EncoderDecoderModel):
     """Transformer encoder-decoder (Vaswani et al., 2017) with optional pre-norm, learned positions, shared embeddings."""
 
     def __init__(self, cfg: TransformerConfig, src_vocab: int, tgt_vocab: int, pad_idx: int, *, joint_vocab: bool):
@@ -676,14 +671,14 @@ class TransformerModel(nn.Module):
             self.train(was_training)
         return weights
 
-    def new_cache(self, beam: int = 1, row_bucket: Callable[[int], int] | None = None) -> DecoderCache:
+    def new_cache(self, beam: int = 1, row_bucket: RowBucket | None = None) -> DecoderCache:
         """An empty cache for ``decode``; ``beam``: decoder rows per sentence of the encoder output; ``row_bucket``:
         the row count each decoder call is padded to (the backend's, e.g. few shapes for oneDNN; None: none).
 
         With ``beam`` > 1, ``decode`` takes ``beam`` consecutive rows per sentence of ``enc`` (hypotheses of one
         sentence), which share that sentence's encoder output and encoder-decoder keys/values.
         """
-        return DecoderCache(len(self.decoder.layers), beam, row_bucket)
+        return SlotCache(len(self.decoder.layers), beam, row_bucket)
 
     @staticmethod
     def reorder(enc: EncoderOut, cache: DecoderCache | None, new_order: Tensor,
@@ -707,6 +702,3 @@ class TransformerModel(nn.Module):
         """(source, target) length limits in tokens."""
         return self.cfg.max_source_positions, self.cfg.max_target_positions
 
-    def num_parameters(self) -> int:
-        """Trainable parameters, a shared embedding matrix counted once."""
-        return sum(p.numel() for p in self.parameters())

@@ -18,6 +18,7 @@ import torch
 from attnmt.config import fields_of
 from attnmt.data.pairs import LanguagePairDataset
 from attnmt.errors import UserError
+from attnmt.models.interface import EncoderDecoderModel, build_model
 from attnmt.registry import arch_config, get, register
 
 
@@ -163,10 +164,9 @@ class TranslationTask:
                              "not sharing embeddings: the dictionaries are not joined")
         return model_name, cfg, notes
 
-    def build_model(self, model_name: str, cfg) -> torch.nn.Module:
-        model_cls = get("model", model_name).obj
-        return model_cls.build(cfg, len(self.src_dict), len(self.tgt_dict), self.src_dict.pad(),
-                               joint_vocab=self.joint_dictionary)
+    def build_model(self, model_name: str, cfg) -> EncoderDecoderModel:
+        return build_model(model_name, cfg, len(self.src_dict), len(self.tgt_dict), self.src_dict.pad(),
+                           joint_vocab=self.joint_dictionary)
 
     def build_criterion(self, name: str, cfg):
         from attnmt.criterions import build_criterion

@@ -562,7 +562,7 @@ def _train(data_bin, setup: Setup, cfg: TrainConfig, extra_validators, dist_cfg:
 
 def _report_start(log: RunLog, task, setup: Setup, cfg: TrainConfig, model, itr, skipped: Skipped, valid_sets,
                   backend, notes) -> None:
-    n = model.num_parameters() if hasattr(model, "num_parameters") else sum(p.numel() for p in model.parameters())
+    n = model.num_parameters()
     train = itr.batches
     n_train = sum(len(b) for b in train)
     log.info(f"model: {setup.arch} ({n:,} parameters); {backend.describe()}, {torch.get_num_threads()} CPU threads")
