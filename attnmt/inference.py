@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
+from attnmt import checkpoint
+from attnmt.backends import resolve_device
 from attnmt.errors import UserError
 from attnmt.generation.search import Symbols
 from attnmt.models.interface import EncoderDecoderModel, build_model
-
-BUNDLE_FILE = "model.pt"
 
 
 @dataclass
@@ -35,7 +35,7 @@ class InferenceBundle:
     path: Path
     arch: str = ""
     num_updates: int | None = None
-    data: dict = field(default_factory=dict, repr=False)
+    data: checkpoint.DataSection | None = field(default=None, repr=False)
 
     @property
     def symbols(self) -> Symbols:
@@ -64,62 +64,6 @@ class InferenceBundle:
         return self.src_dict.string(ids)
 
 
-def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """``path`` itself, or ``path/model.pt`` for a model directory."""
-    p = Path(path)
-    if p.is_dir():
-        if (p / BUNDLE_FILE).is_file():
-            return p / BUNDLE_FILE
-        raise UserError(f"{p}: is a directory without {BUNDLE_FILE}; pass a checkpoint file (e.g. "
-                        f"{p}/checkpoint_best.pt) or a directory holding {BUNDLE_FILE}")
-    if not p.exists():
-        raise UserError(f"{p}: no such checkpoint; pass --path to a checkpoint written by attnmt train")
-    return p
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise UserError(f"--device {device!r} is not a device; use auto, cpu, cuda or cuda:N") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device {device}: no CUDA device is available; use --device cpu")
-    return dev
-
-
-def _data_section(ckpt: dict, path: Path) -> dict:
-    data = ckpt.get("data")
-    need = ("source_lang", "target_lang", "src_dict", "tgt_dict")
-    if not isinstance(data, dict) or any(k not in data for k in need):
-        raise UserError(f"{path}: the checkpoint has no complete 'data' section (languages and dictionaries); "
-                        f"it cannot translate on its own: use a checkpoint written by attnmt train")
-    return data
-
-
-def build_pipelines(data: dict, path: Path):
-    """(source pipeline, target pipeline) from a checkpoint's data section."""
-    from attnmt.data.subword import TextPipeline, build_tokenizer
-    from attnmt.registry import get
-
-    bpe_name = str(data.get("bpe") or "none")
-    bpe_cls = get("bpe", bpe_name).obj
-    raw = data.get("bpe_model")
-    if raw is not None and torch.is_tensor(raw) and raw.numel():
-        bpe = bpe_cls.from_bytes(bytes(raw.to(torch.uint8).numpy().tobytes()), what=f"{path} (stored subword model)")
-    elif bpe_name != "none":
-        raise UserError(f"{path}: the checkpoint says bpe '{bpe_name}' but holds no subword model; "
-                        f"use a checkpoint written by attnmt train from a preprocessed directory with its model")
-    else:
-        bpe = bpe_cls.load()
-    tok = str(data.get("tokenizer") or "none")
-    lower = bool(data.get("lowercase", False))
-    src = TextPipeline(build_tokenizer(tok, data["source_lang"]), bpe, lowercase=lower)
-    tgt = TextPipeline(build_tokenizer(tok, data["target_lang"]), bpe, lowercase=lower)
-    return src, tgt
-
-
 def model_from_checkpoint(ckpt: dict, src_dict, tgt_dict, path: Path) -> EncoderDecoderModel:
     """The registered model of the checkpoint with its weights, in eval mode."""
     from attnmt import registry
@@ -145,27 +89,19 @@ def model_from_checkpoint(ckpt: dict, src_dict, tgt_dict, path: Path) -> Encoder
 def load_for_inference(path: str | os.PathLike, device: str | torch.device = "cpu") -> InferenceBundle:
     """Everything needed to translate raw text with the checkpoint at ``path`` (a file or a ``model.pt`` dir)."""
     from attnmt import registry
-    from attnmt.data.dictionary import Dictionary
-    from attnmt.training.checkpoints import load
 
     registry.load_builtins()
-    p = resolve_checkpoint(path)
-    ckpt = load(p)
-    data = _data_section(ckpt, p)
-    src_dict, tgt_dict = Dictionary.from_state(data["src_dict"]), Dictionary.from_state(data["tgt_dict"])
-    for side, d in (("src", src_dict), ("tgt", tgt_dict)):
-        want = data.get(f"{side}_dict_sha256")
-        if want and d.checksum() != want:
-            raise UserError(f"{p}: the stored {side} dictionary does not match its checksum; the file is corrupt")
-    src_pipe, tgt_pipe = build_pipelines(data, p)
+    p = checkpoint.resolve(path)
+    ckpt = checkpoint.load(p)
+    data = checkpoint.DataSection.from_dict(ckpt["data"], p)
+    src_dict, tgt_dict = data.dictionaries(p)
+    src_pipe, tgt_pipe = data.pipelines(p)
     model = model_from_checkpoint(ckpt, src_dict, tgt_dict, p)
-    dev = device if isinstance(device, torch.device) else resolve_device(device)
-    model.to(dev)
+    model.to(device if isinstance(device, torch.device) else resolve_device(device))
     train = ckpt.get("train") or {}
     return InferenceBundle(model=model, src_dict=src_dict, tgt_dict=tgt_dict, src_pipeline=src_pipe,
-                           tgt_pipeline=tgt_pipe, source_lang=str(data["source_lang"]),
-                           target_lang=str(data["target_lang"]), path=p, arch=str(ckpt.get("arch", "")),
-                           num_updates=train.get("num_updates"), data=data)
+                           tgt_pipeline=tgt_pipe, source_lang=data.source_lang, target_lang=data.target_lang, path=p,
+                           arch=str(ckpt.get("arch", "")), num_updates=train.get("num_updates"), data=data)
 
 
 def check_data_dir(bundle: InferenceBundle, data_bin: str | os.PathLike) -> None:

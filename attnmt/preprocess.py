@@ -44,6 +44,7 @@ from attnmt.data.subword import TextPipeline, build_tokenizer
 from attnmt.data.textio import CHECKPOINT, ScanResult, read_lines, resolve_input, scan
 from attnmt.errors import UserError
 from attnmt.fileio import atomic_open
+from attnmt.progress import StageProgress
 from attnmt.registry import get
 
 FORMAT_VERSION = 1
@@ -390,48 +391,6 @@ def _indexed_call(arg):
     return i, fn(job)
 
 
-class Progress:
-    """Stage progress on stderr: rich progress bars on a terminal; otherwise one plain line per finished stage
-    (so that an input error is the only line a failed run prints)."""
-
-    def __init__(self, quiet: bool = False):
-        self.quiet = quiet
-        self._rich = None
-        if sys.stderr.isatty() and not quiet:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
-            from rich.progress import Progress as RichProgress
-
-            self._rich = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                      TimeElapsedColumn(), console=Console(stderr=True), transient=False)
-            self._rich.start()
-
-    def stage(self, description: str, total: int) -> Stage:
-        return Stage(self, description, total)
-
-    def close(self) -> None:
-        if self._rich is not None:
-            self._rich.stop()
-            self._rich = None
-
-
-class Stage:
-    def __init__(self, progress: Progress, description: str, total: int):
-        self.progress, self.description, self.total = progress, description, total
-        self.t0 = time.time()
-        self.task = progress._rich.add_task(description, total=total) if progress._rich is not None else None
-
-    def __call__(self, _job: Any = None) -> None:
-        if self.task is not None:
-            self.progress._rich.advance(self.task)
-
-    def done(self, note: str = "") -> None:
-        if self.progress.quiet or self.task is not None:
-            return
-        print(f"attnmt preprocess: {self.description}: done in {time.time() - self.t0:.1f} s{note}",
-              file=sys.stderr, flush=True)
-
-
 # ---------------------------------------------------------------------------------------------------- main
 
 
@@ -541,7 +500,7 @@ def _preprocess(cfg: PreprocessConfig, splits: list[Split], quiet: bool, t0: flo
     destdir = Path(cfg.destdir)
     _CACHE.clear()  # models/dictionaries of an earlier run in this process are not this run's
     runner = Runner(cfg.workers)  # fork the workers before any thread exists (progress display, trainer)
-    progress = Progress(quiet)
+    progress = StageProgress(quiet)
     try:
         paths = list(dict.fromkeys(p for s in splits for p in s.paths.values()))
         stage = progress.stage("reading and checking inputs", len(paths))
@@ -577,7 +536,7 @@ def _bpe_model_name(bpe: str) -> str:
 
 
 def _build(cfg: PreprocessConfig, splits: list[Split], scans: dict[str, ScanResult], fingerprint: dict,
-           tmp: Path, runner: Runner, progress: Progress) -> dict[str, Any]:
+           tmp: Path, runner: Runner, progress: StageProgress) -> dict[str, Any]:
     src, tgt = cfg.source_lang, cfg.target_lang
     langs = (src, tgt)
     work = tmp / ".work"

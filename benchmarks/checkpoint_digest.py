@@ -18,7 +18,7 @@ import torch
 
 def _sha(t: torch.Tensor) -> str:
     t = t.detach().cpu().contiguous()
-    return f"{t.dtype}:{tuple(t.shape)}:" + hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()
+    return f"{t.dtype}:{tuple(t.shape)}:" + hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def _walk(prefix: str, obj, out: dict) -> None:

@@ -125,7 +125,8 @@ def run(data_bin: str, arch: str, precision: str, steps: int, warmup: int, max_t
     from attnmt.criterions import LabelSmoothedCrossEntropyConfig
     from attnmt.optim import AdamConfig, InverseSqrtConfig, build_adam, build_lr_scheduler
     from attnmt.tasks.translation import TranslationConfig, TranslationTask
-    from attnmt.training.loop import TrainConfig, make_train_iterator
+    from attnmt.training.config import TrainConfig
+    from attnmt.training.data import make_train_iterator
     from attnmt.training.trainer import Trainer
 
     torch.manual_seed(seed)

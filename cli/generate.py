@@ -73,8 +73,9 @@ def command(data_bin, path, gen_subset, input_path, fmt, output, quiet, **params
     """
     from attnmt.backends import configure_process
     from attnmt.fileio import atomic_open
-    from attnmt.generation.generator import Progress, format_result, write_lines
+    from attnmt.generation.generator import format_result, write_lines
     from attnmt.inference import load_generator
+    from attnmt.progress import SentenceProgress
     from attnmt.scoring import read_lines
 
     start = time.perf_counter()
@@ -96,7 +97,7 @@ def command(data_bin, path, gen_subset, input_path, fmt, output, quiet, **params
             where = f"{data_bin}/{gen_subset}"
             sources, refs, texts = _binarized_split(bundle, data_bin, gen_subset)
 
-        progress = Progress(len(sources), "translating", quiet=quiet)
+        progress = SentenceProgress(len(sources), "translating", quiet=quiet)
         sink = atomic_open(output, "w") if output else contextlib.nullcontext(sys.stdout)
         try:
             with sink as out:

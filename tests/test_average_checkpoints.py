@@ -7,9 +7,9 @@ import os
 import pytest
 import torch
 
+from attnmt.averaging import average_checkpoints, average_to_file, resolve_inputs, select_checkpoints
 from attnmt.cli import main
 from attnmt.errors import UserError
-from attnmt.training.averaging import average_checkpoints, average_to_file, resolve_inputs, select_checkpoints
 
 
 def fake_checkpoint(seed: int, *, d_model: int = 8, src_sha: str = "s" * 64, tgt_sha: str = "t" * 64,

@@ -23,12 +23,13 @@ import torch
 import torch.distributed as dist
 from train_fixtures import TINY_MODEL, make_data_bin
 
+from attnmt import checkpoint as ckpts
+from attnmt.backends import training_device
 from attnmt.cli import main
 from attnmt.data.batching import EpochBatchIterator
 from attnmt.errors import UserError
-from attnmt.training import checkpoints as ckpts
 from attnmt.training import distributed
-from attnmt.training.loop import _chunks
+from attnmt.training.data import chunks as _chunks
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="needs torch.distributed with gloo")
@@ -163,7 +164,7 @@ def test_environment_device_and_backend():
     with pytest.raises(UserError, match="WORLD_SIZE='two' is not an integer"):
         distributed.Env.from_environ({"WORLD_SIZE": "two"})
     cpu = torch.device("cpu")
-    assert distributed.choose_device(distributed.Env(1, 2, 1), cpu=True) == cpu
+    assert training_device(1, cpu=True) == cpu
     assert distributed.choose_backend(cpu) == "gloo"
     assert distributed.choose_backend(torch.device("cuda", 1)) == "nccl"
     assert distributed.choose_backend(torch.device("cuda", 0), "gloo") == "gloo"

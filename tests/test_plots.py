@@ -9,12 +9,12 @@ import sys
 import pytest
 import torch
 
+from attnmt import checkpoint as ckpts
 from attnmt.cli import main
 from attnmt.config import make_config, to_dict
 from attnmt.data.dictionary import Dictionary
 from attnmt.errors import UserError
 from attnmt.models.transformer import MultiHeadAttention, TransformerConfig, TransformerModel, key_padding_mask
-from attnmt.training import checkpoints as ckpts
 
 mpimg = pytest.importorskip("matplotlib.image")
 

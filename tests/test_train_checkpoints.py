@@ -7,8 +7,8 @@ import pytest
 import torch
 from train_fixtures import TINY_MODEL, make_data_bin
 
+from attnmt import checkpoint as ckpts
 from attnmt.cli import main
-from attnmt.training import checkpoints as ckpts
 
 
 def _train(data, save_dir, *extra):

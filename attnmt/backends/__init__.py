@@ -2,6 +2,7 @@
 
 * :mod:`attnmt.backends.capabilities` detects what the machine runs fast (native bf16 on the CPU, bf16 on the
   GPU) once per process.
+* :func:`resolve_device` and :func:`training_device` pick the device a command runs on.
 * :func:`resolve_precision` turns the user's ``--precision auto|fp32|bf16|fp16`` into the precision a run uses,
   or a one-line error naming the missing capability.
 * :func:`backend_for` returns the :class:`Backend` of a device and precision. It prepares a model once (swaps its
@@ -16,10 +17,11 @@ from __future__ import annotations
 
 from attnmt.backends.base import Backend, Mode
 from attnmt.backends.capabilities import CpuCapabilities, cpu
+from attnmt.backends.devices import resolve_device, training_device
 from attnmt.backends.precision import PRECISIONS, Precision, resolve_precision
 
 __all__ = ["Backend", "CpuCapabilities", "Mode", "PRECISIONS", "Precision", "backend_for", "configure_process",
-           "cpu", "resolve_precision"]
+           "cpu", "resolve_device", "resolve_precision", "training_device"]
 
 
 def backend_for(device, precision: str = "fp32") -> Backend:

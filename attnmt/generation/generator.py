@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -256,45 +255,6 @@ def format_result(index: int, hyps: list[Hypothesis], bundle, fmt: str, source: 
     if not hyps and fmt != "fairseq":
         lines.append("")  # keep line i = input i even if nothing could be generated
     return lines
-
-
-class Progress:
-    """Sentences done, on stderr: a rich bar on a terminal, a plain line every ``every`` seconds otherwise."""
-
-    def __init__(self, total: int | None, label: str = "translating", quiet: bool = False, every: float = 30.0):
-        self.total, self.label, self.quiet, self.every = total, label, quiet, every
-        self.done = 0
-        self._bar = None
-        self._last = self._start = time.perf_counter()
-        if not quiet and sys.stderr.isatty():
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-            from rich.progress import Progress as RichProgress
-
-            self._bar = RichProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                     TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True),
-                                     transient=True)
-            self._bar.start()
-            self._task = self._bar.add_task(label, total=total)
-
-    def __call__(self, n: int) -> None:
-        self.done += n
-        if self.quiet:
-            return
-        if self._bar is not None:
-            self._bar.advance(self._task, n)
-            return
-        now = time.perf_counter()
-        if now - self._last >= self.every:
-            self._last = now
-            of = f"/{self.total}" if self.total is not None else ""
-            rate = self.done / max(now - self._start, 1e-9)
-            print(f"attnmt: {self.label} {self.done}{of} sentences ({rate:.1f}/s)", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()
-            self._bar = None
 
 
 def write_lines(out, lines: Iterable[str]) -> None:

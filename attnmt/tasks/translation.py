@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from attnmt.checkpoint import DataSection
 from attnmt.config import fields_of
 from attnmt.data.pairs import LanguagePairDataset
 from attnmt.errors import UserError
@@ -124,22 +125,19 @@ class TranslationTask:
     def valid_subsets(self) -> list[str]:
         return [s.strip() for s in self.cfg.valid_subset.split(",") if s.strip()]
 
-    def data_state(self) -> dict:
+    def data_state(self) -> DataSection:
         """The checkpoint's ``data`` section: what inference needs without DATA_BIN."""
         spm = self.data_bin / str(_meta_get(self.meta, "bpe_model", default="spm.model"))
         bpe = str(_meta_get(self.meta, "bpe", default="sentencepiece" if spm.exists() else "none"))
         bpe_model = None
         if spm.exists():
             bpe_model = torch.frombuffer(bytearray(spm.read_bytes()), dtype=torch.uint8).clone()
-        return {
-            "source_lang": self.src_lang, "target_lang": self.tgt_lang,
-            "joint_dictionary": bool(self.joint_dictionary),
-            "src_dict": self.src_dict.to_state(), "tgt_dict": self.tgt_dict.to_state(),
-            "src_dict_sha256": self.src_dict.checksum(), "tgt_dict_sha256": self.tgt_dict.checksum(),
-            "bpe": bpe, "bpe_model": bpe_model,
-            "tokenizer": str(_meta_get(self.meta, "tokenizer", default="none")),
-            "lowercase": bool(_meta_get(self.meta, "lowercase", default=False)),
-        }
+        return DataSection(
+            source_lang=self.src_lang, target_lang=self.tgt_lang, joint_dictionary=bool(self.joint_dictionary),
+            src_dict=self.src_dict.to_state(), tgt_dict=self.tgt_dict.to_state(),
+            src_dict_sha256=self.src_dict.checksum(), tgt_dict_sha256=self.tgt_dict.checksum(),
+            bpe=bpe, bpe_model=bpe_model, tokenizer=str(_meta_get(self.meta, "tokenizer", default="none")),
+            lowercase=bool(_meta_get(self.meta, "lowercase", default=False)))
 
     # ------------------------------------------------------------------------------------------------ model
 

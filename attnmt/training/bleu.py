@@ -26,7 +26,6 @@ class BleuValidator:
 
     def __init__(self, task, cfg, device: torch.device, precision: str):
         from attnmt.generation.search import SearchConfig, Symbols
-        from attnmt.inference import build_pipelines
 
         self.task = task
         self.device = device
@@ -37,7 +36,7 @@ class BleuValidator:
         data = task.dataset(split)
         n = len(data) if cfg.eval_bleu_max_sentences <= 0 else min(len(data), cfg.eval_bleu_max_sentences)
         self.sources = [data.src[i].astype("int64").tolist() for i in range(n)]
-        _, self.tgt_pipeline = build_pipelines(task.data_state(), task.data_bin)
+        _, self.tgt_pipeline = task.data_state().pipelines(task.data_bin)
         self.refs = [self.tgt_pipeline.decode(task.tgt_dict.string(data.tgt[i])) for i in range(n)]
         self.search_cfg = SearchConfig(beam=cfg.eval_bleu_beam, lenpen=cfg.eval_bleu_lenpen,
                                        max_len_a=cfg.eval_bleu_max_len_a, max_len_b=cfg.eval_bleu_max_len_b)

@@ -5,7 +5,7 @@ Processes are started by the stock launcher, ``torchrun`` (``torch.distributed.r
 N`` calls the same launcher in-process (:func:`launch`), so there is no launcher or communication layer of our
 own. What this module adds on top of ``torch.distributed``:
 
-* :class:`Env` (the torchrun environment), :func:`choose_device` (``cuda:LOCAL_RANK`` or the CPU),
+* :class:`Env` (the torchrun environment; ``attnmt.backends.training_device`` picks ``cuda:LOCAL_RANK`` or the CPU),
   :func:`choose_backend` (NCCL on CUDA, gloo on the CPU, ``--distributed-backend`` to override) and :func:`init`
   (``init_process_group`` with ``--ddp-timeout`` as the timeout of every collective);
 * :func:`wrap` (DistributedDataParallel; the trainer's loss scaling makes its gradient AVERAGE the global
@@ -95,17 +95,6 @@ class Env:
             raise UserError(f"environment: RANK={env.rank}, WORLD_SIZE={env.world_size}, LOCAL_RANK={env.local_rank} "
                             f"do not describe a process of the job; launch with torchrun, which sets them")
         return env
-
-
-def choose_device(env: Env, cpu: bool) -> torch.device:
-    """``cuda:LOCAL_RANK`` when CUDA is usable (one GPU per process), else the CPU."""
-    if cpu or not torch.cuda.is_available():
-        return torch.device("cpu")
-    n = torch.cuda.device_count()
-    if env.local_rank >= n:
-        raise UserError(f"LOCAL_RANK {env.local_rank}, but this machine shows {n} GPU(s); start at most {n} "
-                        f"processes per node (--nproc-per-node {n}), or add --cpu")
-    return torch.device("cuda", env.local_rank)
 
 
 def choose_backend(device: torch.device, requested: str = "auto") -> str:

@@ -13,26 +13,15 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
-import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from attnmt import checkpoint
+from attnmt.checkpoint import EPOCH_PATTERN, UPDATE_PATTERN, DataSection
 from attnmt.errors import UserError
-from attnmt.fileio import atomic_torch_save
-
-FORMAT = "attnmt-checkpoint"
-VERSION = 1
-
-UPDATE_PATTERN = re.compile(r"^checkpoint_(\d+)_(\d+)\.pt$")  # checkpoint_{epoch}_{updates}.pt
-EPOCH_PATTERN = re.compile(r"^checkpoint(\d+)\.pt$")  # checkpoint{epoch}.pt
-
-# data-section fields that must agree: a model is only meaningful with the vocabulary and segmentation it saw
-_DATA_FIELDS = ("source_lang", "target_lang", "joint_dictionary", "src_dict_sha256", "tgt_dict_sha256", "bpe",
-                "tokenizer", "lowercase")
 
 Log = Callable[[str], None]
 
@@ -105,41 +94,6 @@ def resolve_inputs(inputs: Sequence[str | os.PathLike], num_update_checkpoints: 
     return paths
 
 
-# ------------------------------------------------------------------------------------------------------ loading
-
-def _torch_load(path: Path):
-    # zip-format files (torch.save's default) are memory-mapped: only the tensors that are read are paged in
-    mmap = zipfile.is_zipfile(path)
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-
-
-def load_checkpoint(path: str | os.PathLike) -> dict:
-    """Load with ``weights_only=True`` and check that it is an attnmt checkpoint with a model state dict."""
-    path = Path(path)
-    if not path.exists():
-        raise UserError(f"{path}: no such checkpoint file")
-    if path.is_dir():
-        raise UserError(f"{path}: is a directory, not a checkpoint file")
-    try:
-        ck = _torch_load(path)
-    except Exception as e:  # the weights-only unpickler fails in many ways (KeyError, UnpicklingError, ...)
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise UserError(f"{path}: not an attnmt checkpoint (torch.load with weights_only=True failed: {type(e).__name__}: {first})") from None
-    if not isinstance(ck, dict) or ck.get("format") != FORMAT:
-        raise UserError(f"{path}: not an attnmt checkpoint (no \"format\": \"{FORMAT}\"); give a checkpoint written "
-                        f"by attnmt train")
-    version = ck.get("version")
-    if not isinstance(version, int) or version > VERSION:
-        raise UserError(f"{path}: checkpoint version {version!r} is not supported (this attnmt reads up to "
-                        f"{VERSION}); upgrade attnmt")
-    for key in ("model", "model_name", "model_config", "data"):
-        if key not in ck:
-            raise UserError(f"{path}: attnmt checkpoint without {key!r}; the file is incomplete or damaged")
-    if not isinstance(ck["model"], dict) or not ck["model"]:
-        raise UserError(f"{path}: checkpoint has no model parameters")
-    return ck
-
-
 # ---------------------------------------------------------------------------------------------- compatibility
 
 def _bytes_sha256(t: Any) -> str | None:
@@ -163,7 +117,7 @@ def _identity(ck: dict) -> dict[str, Any]:
     ident: dict[str, Any] = {"model_name": ck.get("model_name"), "arch": ck.get("arch")}
     for k, v in sorted((ck.get("model_config") or {}).items()):
         ident[f"model_config.{k}"] = v
-    for k in _DATA_FIELDS:
+    for k in DataSection.IDENTITY:
         ident[f"data.{k}"] = data.get(k)
     ident["data.bpe_model"] = _bytes_sha256(data.get("bpe_model"))
     return ident
@@ -228,9 +182,10 @@ def average_checkpoints(paths: Sequence[str | os.PathLike], log: Log | None = No
     exact: dict[str, Any] = {}  # non-floating entries: value from the latest input
     differing: set[str] = set()
     last: dict | None = None
+    last_state: dict = {}
     for i, path in enumerate(paths):
         log(f"[{i + 1}/{len(paths)}] {path}")
-        ck = load_checkpoint(path)
+        ck = checkpoint.load(path, mmap=True)
         state = ck["model"]
         if first is None:
             first = {k: v for k, v in ck.items() if k not in ("model", "train")}
@@ -264,7 +219,8 @@ def average_checkpoints(paths: Sequence[str | os.PathLike], log: Log | None = No
         last["dtypes"] = {k: state[k].dtype for k in sums}
         last["order"] = list(state)
         last = _clone_tensors(last)
-        del ck, state
+        last_state = state
+        del ck
     assert last is not None
     if differing:
         log(f"note: non-float buffers differ between inputs, taken from the last: {', '.join(sorted(differing))}")
@@ -272,9 +228,10 @@ def average_checkpoints(paths: Sequence[str | os.PathLike], log: Log | None = No
     model = {}
     for k in last["order"]:
         model[k] = (sums[k] / n).to(last["dtypes"][k]) if k in sums else exact[k]
+    model = checkpoint.tie_like(model, last_state)  # tied weights stay one tensor, stored once
     return {
-        "format": FORMAT,
-        "version": VERSION,
+        "format": checkpoint.FORMAT,
+        "version": checkpoint.VERSION,
         "model_name": last["model_name"],
         "arch": last.get("arch"),
         "model_config": last["model_config"],
@@ -300,5 +257,5 @@ def average_to_file(paths: Sequence[str | os.PathLike], output: str | os.PathLik
         if Path(p).exists() and Path(p).resolve() == output.resolve():
             raise UserError(f"{output}: is also an input; write the average to a new file")
     ck = average_checkpoints(paths, log=log)
-    atomic_torch_save(ck, output)
+    checkpoint.save(ck, output)
     return ck

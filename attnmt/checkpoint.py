@@ -1,0 +1,250 @@
+"""The checkpoint format: what a checkpoint file holds, its names, and how it is written and read.
+
+Training, checkpoint averaging and inference all go through this module; it depends on nothing above the
+model and data layers. A checkpoint is a ``torch.save``d dict of tensors and plain containers only, read with
+``torch.load(path, map_location="cpu", weights_only=True)``::
+
+    {"format": "attnmt-checkpoint", "version": 1,
+     "model_name", "arch", "model_config", "model",         # the model: registered name, preset, config, weights
+     "data": DataSection.to_dict(),                          # what translation needs without DATA_BIN
+     "train": {...},                                         # training state (training/state.py); absent after
+     "averaged_from": [...]}                                 #   averaging, which records its inputs instead
+
+Weights are float32 on the CPU, and a matrix that several parameters share (the tied embeddings and output
+projection of paper 3.4) is stored once: ``torch.save`` writes a storage once however many entries use it.
+
+Names in ``--save-dir`` (as fairseq): ``checkpoint_last.pt`` (every save), ``checkpoint_best.pt`` (best validation
+so far), ``checkpoint{epoch}.pt`` (end of an epoch), ``checkpoint_{epoch}_{updates}.pt`` (every
+``--save-interval-updates`` / ``--save-interval-minutes``). One file is written atomically (temp file + rename) and
+the other names are hard links to it (or copies where links are not supported), themselves renamed into place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import shutil
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from attnmt.errors import UserError
+from attnmt.fileio import atomic_torch_save
+
+FORMAT = "attnmt-checkpoint"
+VERSION = 1
+LAST = "checkpoint_last.pt"
+BEST = "checkpoint_best.pt"
+EPOCH_PATTERN = re.compile(r"^checkpoint(\d+)\.pt$")  # checkpoint{epoch}.pt
+UPDATE_PATTERN = re.compile(r"^checkpoint_(\d+)_(\d+)\.pt$")  # checkpoint_{epoch}_{updates}.pt
+BUNDLE_FILE = "model.pt"  # a model directory's checkpoint (``--path DIR``)
+
+
+def epoch_name(epoch: int) -> str:
+    return f"checkpoint{epoch}.pt"
+
+
+def interval_name(epoch: int, num_updates: int) -> str:
+    return f"checkpoint_{epoch}_{num_updates}.pt"
+
+
+# ------------------------------------------------------------------------------------------------ the data section
+
+
+@dataclass
+class DataSection:
+    """The languages, dictionaries and text pipeline a model was trained with (the checkpoint's ``data``)."""
+
+    source_lang: str
+    target_lang: str
+    joint_dictionary: bool
+    src_dict: dict  # Dictionary.to_state()
+    tgt_dict: dict
+    src_dict_sha256: str
+    tgt_dict_sha256: str
+    bpe: str = "none"  # registered subword model name
+    bpe_model: torch.Tensor | None = None  # its model file's bytes (uint8)
+    tokenizer: str = "none"
+    lowercase: bool = False
+
+    # what must agree between checkpoints of one run (averaging) and between a checkpoint and DATA_BIN (resume)
+    IDENTITY = ("source_lang", "target_lang", "joint_dictionary", "src_dict_sha256", "tgt_dict_sha256", "bpe",
+                "tokenizer", "lowercase")
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, data, path: str | os.PathLike) -> DataSection:
+        need = ("source_lang", "target_lang", "src_dict", "tgt_dict")
+        if not isinstance(data, dict) or any(k not in data for k in need):
+            raise UserError(f"{path}: the checkpoint has no complete 'data' section (languages and dictionaries); "
+                            f"it cannot translate on its own: use a checkpoint written by attnmt train")
+        return cls(source_lang=str(data["source_lang"]), target_lang=str(data["target_lang"]),
+                   joint_dictionary=bool(data.get("joint_dictionary", False)), src_dict=data["src_dict"],
+                   tgt_dict=data["tgt_dict"], src_dict_sha256=str(data.get("src_dict_sha256") or ""),
+                   tgt_dict_sha256=str(data.get("tgt_dict_sha256") or ""), bpe=str(data.get("bpe") or "none"),
+                   bpe_model=data.get("bpe_model"), tokenizer=str(data.get("tokenizer") or "none"),
+                   lowercase=bool(data.get("lowercase", False)))
+
+    def bpe_model_bytes(self) -> bytes | None:
+        raw = self.bpe_model
+        if raw is None or not torch.is_tensor(raw) or not raw.numel():
+            return None
+        return bytes(raw.to(torch.uint8).numpy().tobytes())
+
+    def dictionaries(self, path: str | os.PathLike):
+        """(source, target) Dictionary, checked against their stored checksums."""
+        from attnmt.data.dictionary import Dictionary
+
+        dicts = Dictionary.from_state(self.src_dict), Dictionary.from_state(self.tgt_dict)
+        for side, d, want in (("src", dicts[0], self.src_dict_sha256), ("tgt", dicts[1], self.tgt_dict_sha256)):
+            if want and d.checksum() != want:
+                raise UserError(f"{path}: the stored {side} dictionary does not match its checksum; the file is "
+                                f"corrupt")
+        return dicts
+
+    def pipelines(self, path: str | os.PathLike):
+        """(source, target) TextPipeline: raw text <-> the pieces the model was trained on."""
+        from attnmt.data.subword import TextPipeline, build_tokenizer
+        from attnmt.registry import get
+
+        bpe_cls = get("bpe", self.bpe).obj
+        raw = self.bpe_model_bytes()
+        if raw is not None:
+            bpe = bpe_cls.from_bytes(raw, what=f"{path} (stored subword model)")
+        elif self.bpe != "none":
+            raise UserError(f"{path}: the checkpoint says bpe '{self.bpe}' but holds no subword model; use a "
+                            f"checkpoint written by attnmt train from a preprocessed directory with its model")
+        else:
+            bpe = bpe_cls.load()
+        return tuple(TextPipeline(build_tokenizer(self.tokenizer, lang), bpe, lowercase=self.lowercase)
+                     for lang in (self.source_lang, self.target_lang))
+
+    def dictionary_differences(self, other: DataSection) -> list[str]:
+        """How the dictionaries and languages of ``other`` (now) differ from these (the checkpoint's)."""
+        problems = []
+        for side, name in (("src", "source"), ("tgt", "target")):
+            a, b = getattr(self, f"{side}_dict_sha256"), getattr(other, f"{side}_dict_sha256")
+            if a != b:
+                na = len(getattr(self, f"{side}_dict").get("symbols", []))
+                nb = len(getattr(other, f"{side}_dict").get("symbols", []))
+                problems.append(f"{name} dictionary: checkpoint sha256 {a[:12]} ({na} symbols), now {b[:12]} "
+                                f"({nb} symbols)")
+        for key in ("source_lang", "target_lang"):
+            if getattr(self, key) != getattr(other, key):
+                problems.append(f"{key.replace('_', ' ')}: checkpoint {getattr(self, key)!r}, now "
+                                f"{getattr(other, key)!r}")
+        return problems
+
+
+# ------------------------------------------------------------------------------------------------ weights
+
+
+def portable_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A model state dict as float32 CPU tensors, entries that share a tensor still sharing one (stored once)."""
+    done: dict[tuple, torch.Tensor] = {}
+    out = {}
+    for k, v in state.items():
+        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), tuple(v.stride()), v.device)
+        if key not in done:
+            v = v.detach()
+            done[key] = v.float().cpu() if v.is_floating_point() else v.cpu()
+        out[k] = done[key]
+    return out
+
+
+def tie_like(weights: dict[str, torch.Tensor], like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``weights`` with the entries that are one tensor in ``like`` made one tensor again (the first's)."""
+    first: dict[tuple, str] = {}
+    out = {}
+    for k, v in weights.items():
+        ref = like[k]
+        key = (ref.untyped_storage().data_ptr(), ref.storage_offset(), tuple(ref.shape), tuple(ref.stride()))
+        out[k] = out[first[key]] if key in first else v
+        first.setdefault(key, k)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ files
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """``path`` itself, or ``path/model.pt`` for a model directory."""
+    p = Path(path)
+    if p.is_dir():
+        if (p / BUNDLE_FILE).is_file():
+            return p / BUNDLE_FILE
+        raise UserError(f"{p}: is a directory without {BUNDLE_FILE}; pass a checkpoint file (e.g. "
+                        f"{p}/checkpoint_best.pt) or a directory holding {BUNDLE_FILE}")
+    if not p.exists():
+        raise UserError(f"{p}: no such checkpoint file; pass a checkpoint written by attnmt train")
+    return p
+
+
+def load(path: str | os.PathLike, mmap: bool = False) -> dict:
+    """Read a checkpoint safely (``weights_only=True``); anything but a complete attnmt checkpoint is a UserError.
+
+    ``mmap``: map the file instead of reading it (zip-format files), so tensors never read are never paged in.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{path}: is a directory, not a checkpoint file")
+    if not path.is_file():
+        raise UserError(f"{path}: no such checkpoint file; check the path")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and zipfile.is_zipfile(path))
+    except Exception as e:  # truncated file, foreign pickle, ...: the weights-only unpickler fails in many ways
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise UserError(f"{path}: not an attnmt checkpoint (torch.load with weights_only=True failed: "
+                        f"{type(e).__name__}: {first}); use a file written by attnmt train") from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        raise UserError(f"{path}: not an attnmt checkpoint (no format '{FORMAT}'); use a file written by attnmt train")
+    version = ckpt.get("version")
+    if not isinstance(version, int) or version > VERSION:
+        raise UserError(f"{path}: checkpoint version {version!r} is not supported (this attnmt reads up to "
+                        f"{VERSION}); upgrade attnmt")
+    for key in ("model", "model_name", "model_config", "data"):
+        if key not in ckpt:
+            raise UserError(f"{path}: attnmt checkpoint without {key!r}; the file is incomplete or damaged")
+    if not isinstance(ckpt["model"], dict) or not ckpt["model"]:
+        raise UserError(f"{path}: checkpoint has no model parameters")
+    return ckpt
+
+
+def save(state: dict, path: str | os.PathLike) -> None:
+    """Write a checkpoint atomically (a crash mid-write leaves the old file)."""
+    atomic_torch_save(state, path)
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """Make ``dst`` hold the same bytes as ``src``, atomically (link/copy to a temp name, then rename)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
+    os.close(fd)
+    os.unlink(tmp)
+    try:
+        try:
+            os.link(src, tmp)
+        except OSError:
+            shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def save_as(state: dict, save_dir: str | os.PathLike, names: list[str]) -> list[Path]:
+    """Write ``state`` once under ``names[0]`` in ``save_dir`` and give it the other names; returns the paths."""
+    save_dir = Path(save_dir)
+    save_dir.mkdir(parents=True, exist_ok=True)
+    paths = [save_dir / n for n in dict.fromkeys(names)]
+    save(state, paths[0])
+    for p in paths[1:]:
+        _link_or_copy(paths[0], p)
+    return paths

@@ -1,0 +1,164 @@
+"""Progress on stderr, one module for every command: a rich bar on a terminal, plain lines otherwise.
+
+* :class:`RunLog`: training (a bar with the latest figures, or one line per ``--log-interval``) and the JSON
+  lines of ``train.jsonl``;
+* :class:`SentenceProgress`: translation (sentences done);
+* :class:`StageProgress`: preprocessing (one bar, or one line, per stage).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def rich_bar(*, elapsed: bool = False, remaining: bool = False, stats: bool = False, transient: bool = False,
+             console=None):
+    """A started rich progress display on stderr: description, bar, done/total, and the chosen columns."""
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    columns = [TextColumn("{task.description}"), BarColumn(bar_width=20 if stats else 40), MofNCompleteColumn()]
+    columns += [TimeElapsedColumn()] if elapsed else []
+    columns += [TimeRemainingColumn()] if remaining else []
+    columns += [TextColumn("{task.fields[stats]}")] if stats else []
+    bar = Progress(*columns, console=console or Console(stderr=True), transient=transient, expand=False)
+    bar.start()
+    return bar
+
+
+def fmt_number(v: float) -> str:
+    if v == 0:
+        return "0"
+    if abs(v) >= 1e5 or abs(v) < 1e-3:
+        return f"{v:.3g}"
+    return f"{v:.4g}" if abs(v) < 100 else f"{v:.1f}"
+
+
+def hms(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class RunLog:
+    """Progress on stderr (a rich bar on a terminal, plain lines otherwise) and JSON lines in ``train.jsonl``."""
+
+    def __init__(self, jsonl: Path | None, mode: str, total: int | None, done: int, enabled: bool = True):
+        from rich.console import Console
+
+        self.console = Console(stderr=True, highlight=False)
+        if mode == "auto":
+            mode = "bar" if sys.stderr.isatty() else "lines"
+        self.mode = mode if enabled else "none"
+        self.jsonl = open(jsonl, "a", encoding="utf-8") if jsonl is not None and enabled else None  # noqa: SIM115
+        self.bar = None
+        if self.mode == "bar":
+            self.bar = rich_bar(remaining=True, stats=True, transient=False, console=self.console)
+            self.task_id = self.bar.add_task("train", total=total, completed=done, stats="")
+
+    def info(self, text: str) -> None:
+        if self.mode != "none":
+            self.console.print(text, markup=False, soft_wrap=True)
+
+    def record(self, obj: dict) -> None:
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps(obj, sort_keys=False) + "\n")
+            self.jsonl.flush()
+
+    def advance(self, num_updates: int, epoch: int, stats: str = "") -> None:
+        if self.bar is not None:
+            self.bar.update(self.task_id, completed=num_updates, description=f"ep {epoch}",
+                            **({"stats": stats} if stats else {}))
+
+    def line(self, text: str, compact: str) -> None:
+        """A log line: printed in plain-lines mode; its ``compact`` form is shown next to the bar otherwise."""
+        if self.mode == "lines":
+            self.info(text)
+        elif self.bar is not None:
+            self.bar.update(self.task_id, stats=compact)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+        if self.jsonl is not None:
+            self.jsonl.close()
+
+
+class SentenceProgress:
+    """Sentences done, on stderr: a rich bar on a terminal, a plain line every ``every`` seconds otherwise."""
+
+    def __init__(self, total: int | None, label: str = "translating", quiet: bool = False, every: float = 30.0):
+        self.total, self.label, self.quiet, self.every = total, label, quiet, every
+        self.done = 0
+        self._bar = None
+        self._last = self._start = time.perf_counter()
+        if not quiet and sys.stderr.isatty():
+            self._bar = rich_bar(elapsed=True, remaining=True, transient=True)
+            self._task = self._bar.add_task(label, total=total)
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        if self.quiet:
+            return
+        if self._bar is not None:
+            self._bar.advance(self._task, n)
+            return
+        now = time.perf_counter()
+        if now - self._last >= self.every:
+            self._last = now
+            of = f"/{self.total}" if self.total is not None else ""
+            rate = self.done / max(now - self._start, 1e-9)
+            print(f"attnmt: {self.label} {self.done}{of} sentences ({rate:.1f}/s)", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+class StageProgress:
+    """Stage progress on stderr: rich progress bars on a terminal; otherwise one plain line per finished stage
+    (so that an input error is the only line a failed run prints)."""
+
+    def __init__(self, quiet: bool = False):
+        self.quiet = quiet
+        self._rich = None
+        if sys.stderr.isatty() and not quiet:
+            self._rich = rich_bar(elapsed=True, transient=False)
+
+    def stage(self, description: str, total: int) -> Stage:
+        return Stage(self, description, total)
+
+    def close(self) -> None:
+        if self._rich is not None:
+            self._rich.stop()
+            self._rich = None
+
+
+class Stage:
+    def __init__(self, progress: StageProgress, description: str, total: int):
+        self.progress, self.description, self.total = progress, description, total
+        self.t0 = time.time()
+        self.task = progress._rich.add_task(description, total=total) if progress._rich is not None else None
+
+    def __call__(self, _job: Any = None) -> None:
+        if self.task is not None:
+            self.progress._rich.advance(self.task)
+
+    def done(self, note: str = "") -> None:
+        if self.progress.quiet or self.task is not None:
+            return
+        print(f"attnmt preprocess: {self.description}: done in {time.time() - self.t0:.1f} s{note}",
+              file=sys.stderr, flush=True)
+
+

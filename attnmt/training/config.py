@@ -1,0 +1,119 @@
+"""The options of ``attnmt train`` that belong to the loop, and the chosen components (the command line resolved)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from attnmt.backends.precision import requested_precision
+
+
+@dataclass
+class TrainConfig:
+    """Options of ``attnmt train`` that belong to the loop (the components have their own configs)."""
+
+    # batching
+    max_tokens: int | None = field(default=4096, metadata={
+        "help": "max PADDED tokens per batch per process: n_sentences * max(src_len, tgt_len)"})
+    batch_size: int | None = field(default=None, metadata={"help": "max sentences per batch (optional cap)"})
+    required_batch_size_multiple: int = field(default=8, metadata={
+        "help": "full batches hold a multiple of this many sentences (friendlier matrix shapes)"})
+    update_freq: int = field(default=1, metadata={"help": "accumulate gradients over N batches per update"})
+    # stopping
+    max_update: int = field(default=0, metadata={"help": "stop after this many updates (0: no limit)"})
+    max_epoch: int = field(default=0, metadata={"help": "stop after this many epochs (0: no limit)"})
+    max_time_minutes: float = field(default=0.0, metadata={
+        "help": "stop after this much training time, summed over restarts (0: no limit)"})
+    patience: int = field(default=-1, metadata={
+        "help": "stop when the best validation metric has not improved for N validations (-1: off)"})
+    # numerics and device
+    seed: int = field(default=1, metadata={"help": "random seed (initialisation, dropout, batch order)"})
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = field(default="fp32", metadata={
+        "help": "auto: bf16 where the hardware computes it natively (a CPU with AMX or AVX-512 BF16, a GPU of "
+                "compute capability >= 8.0), fp32 otherwise; bf16: bf16 autocast with fp32 master weights (an "
+                "error on a CPU without native bf16); fp16: fp16 autocast with dynamic loss scaling (CUDA)"})
+    bf16: bool = field(default=False, metadata={"help": "fairseq's spelling of --precision bf16"})
+    fp16: bool = field(default=False, metadata={"help": "fairseq's spelling of --precision fp16"})
+    cpu: bool = field(default=False, metadata={"help": "train on the CPU even when CUDA is available"})
+    threads: int | None = field(default=None, metadata={"help": "CPU threads for torch (torch.set_num_threads)"})
+    clip_norm: float = field(default=0.0, metadata={"help": "clip the gradient norm to this value (0: off)"})
+    cpu_attention: Literal["auto", "math", "flash"] = field(default="auto", metadata={
+        "help": "attention kernel on CPU: math (matmul-softmax-matmul, fastest for sentences up to ~256 tokens), "
+                "flash (fused, faster for long sequences) or auto (math up to 256 tokens, flash beyond)"})
+    # checkpoints
+    save_dir: str = field(default="checkpoints", metadata={"help": "directory for checkpoints and train.jsonl"})
+    save_interval: int = field(default=1, metadata={"help": "save an epoch checkpoint every N epochs"})
+    save_interval_updates: int = field(default=0, metadata={
+        "help": "also save checkpoint_EPOCH_UPDATES.pt every N updates (0: off)"})
+    save_interval_minutes: float = field(default=0.0, metadata={
+        "help": "also save checkpoint_EPOCH_UPDATES.pt every N minutes of training (0: off)"})
+    keep_interval_updates: int = field(default=-1, metadata={
+        "help": "keep only the newest N update-interval checkpoints (-1: all)"})
+    keep_last_epochs: int = field(default=-1, metadata={"help": "keep only the newest N epoch checkpoints (-1: all)"})
+    no_epoch_checkpoints: bool = field(default=False, metadata={"help": "do not write checkpointEPOCH.pt files"})
+    best_checkpoint_metric: str = field(default="loss", metadata={
+        "help": "validation metric that picks checkpoint_best.pt: loss, nll_loss, ppl or bleu (needs --eval-bleu)"})
+    maximize_best_checkpoint_metric: bool = field(default=False, metadata={
+        "help": "higher is better for --best-checkpoint-metric (e.g. bleu)"})
+    # validation
+    validate_interval: int = field(default=1, metadata={"help": "validate every N epochs"})
+    validate_interval_updates: int = field(default=0, metadata={"help": "also validate every N updates (0: off)"})
+    disable_validation: bool = field(default=False, metadata={"help": "never validate"})
+    eval_bleu: bool = field(default=False, metadata={
+        "help": "also decode the validation set with beam search and report detokenized sacreBLEU"})
+    eval_bleu_beam: int = field(default=4, metadata={"help": "beam size for --eval-bleu"})
+    eval_bleu_lenpen: float = field(default=0.6, metadata={"help": "length penalty alpha for --eval-bleu"})
+    eval_bleu_max_len_a: float = field(default=1.0, metadata={"help": "--eval-bleu max length = a * src_len + b"})
+    eval_bleu_max_len_b: int = field(default=50, metadata={"help": "--eval-bleu max length = a * src_len + b"})
+    eval_bleu_max_sentences: int = field(default=0, metadata={
+        "help": "decode only the first N validation sentences for --eval-bleu (0: all)"})
+    # resume
+    reset_optimizer: bool = field(default=False, metadata={"help": "resume with fresh optimizer state"})
+    reset_lr_scheduler: bool = field(default=False, metadata={
+        "help": "resume with the LR schedule started again (warm-up from the current update)"})
+    reset_dataloader: bool = field(default=False, metadata={"help": "resume from epoch 1, batch 0"})
+    finetune_from: str | None = field(default=None, metadata={
+        "help": "start from this checkpoint's weights only (ignored when SAVE_DIR/checkpoint_last.pt exists)"})
+    # output
+    log_interval: int = field(default=100, metadata={"help": "log training figures every N updates"})
+    progress: Literal["auto", "bar", "lines", "none"] = field(default="auto", metadata={
+        "help": "progress display on stderr: auto (bar on a terminal, lines otherwise), bar, lines, none"})
+    world_size: int = field(default=1, metadata={"help": "number of training processes", "cli": False})
+    rank: int = field(default=0, metadata={"help": "this process's rank", "cli": False})
+    local_rank: int = field(default=0, metadata={"help": "this process's rank on its machine (its GPU)", "cli": False})
+
+    def __post_init__(self):
+        if self.max_tokens is None and self.batch_size is None:
+            raise ValueError("give --max-tokens or --batch-size")
+        for name in ("max_tokens", "batch_size"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+        if self.update_freq < 1:
+            raise ValueError(f"--update-freq must be >= 1, got {self.update_freq}")
+        if self.log_interval < 1:
+            raise ValueError(f"--log-interval must be >= 1, got {self.log_interval}")
+        self.precision = requested_precision(self.precision, self.bf16, self.fp16)
+        if self.best_checkpoint_metric not in ("loss", "nll_loss", "ppl", "bleu"):
+            raise ValueError(f"--best-checkpoint-metric {self.best_checkpoint_metric!r}: use loss, nll_loss, ppl or "
+                             f"bleu")
+        if self.best_checkpoint_metric == "bleu" and not self.eval_bleu:
+            raise ValueError("--best-checkpoint-metric bleu needs --eval-bleu")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {self.threads}")
+
+
+@dataclass
+class Setup:
+    """The chosen components and their configs (what the command line resolved)."""
+
+    task: str
+    task_cfg: Any
+    arch: str
+    model_overrides: dict
+    criterion: str
+    criterion_cfg: Any
+    optimizer: str
+    optimizer_cfg: Any
+    lr_scheduler: str
+    lr_scheduler_cfg: Any

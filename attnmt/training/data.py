@@ -1,0 +1,59 @@
+"""The batches training reads: shuffled token batches of the train split, sharded by rank; validation batches."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+from attnmt.data.batching import EpochBatchIterator, Skipped, batch_by_size, filter_by_size
+from attnmt.errors import UserError
+from attnmt.training.config import TrainConfig
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def chunks(it, n: int):
+    """Groups of ``n`` consecutive items (the last one may be shorter): the batches of one update."""
+    group = []
+    for x in it:
+        group.append(x)
+        if len(group) == n:
+            yield group
+            group = []
+    if group:
+        yield group
+
+
+def make_train_iterator(task, cfg: TrainConfig, max_positions: tuple[int, int]) -> tuple[EpochBatchIterator, Skipped]:
+    """Filter overlong pairs, bucket by length into --max-tokens batches, shuffle per epoch, shard by rank."""
+    data = task.dataset(task.cfg.train_subset)
+    order = data.ordered_indices(cfg.seed)
+    kept, skipped = filter_by_size(order, data.src_sizes, data.tgt_sizes, max_positions[0], max_positions[1],
+                                   cfg.max_tokens)
+    batches = batch_by_size(kept, data.num_tokens(), cfg.max_tokens, cfg.batch_size, cfg.required_batch_size_multiple)
+    if not batches:
+        raise UserError(f"{task.split_prefix(task.cfg.train_subset, task.src_lang)}: no training pair fits "
+                        f"(all {len(data)} skipped: {skipped.reason}); raise --max-tokens or the model's max positions")
+    if len(batches) < cfg.world_size:
+        raise UserError(f"{task.split_prefix(task.cfg.train_subset, task.src_lang)}: {len(batches)} batch(es) of "
+                        f"--max-tokens {cfg.max_tokens} for {cfg.world_size} processes; every process needs at least "
+                        f"one: lower --max-tokens or start fewer processes")
+    return EpochBatchIterator(batches, data.collate, seed=cfg.seed, shuffle=True, world_size=cfg.world_size,
+                              rank=cfg.rank), skipped
+
+
+def make_valid_batches(task, cfg: TrainConfig, split: str, max_positions: tuple[int, int]):
+    """(dataset, batches, skipped) for a validation split: every pair that fits, in length order, no shuffle."""
+    data = task.dataset(split)
+    order = data.ordered_indices(0)
+    kept, skipped = filter_by_size(order, data.src_sizes, data.tgt_sizes, max_positions[0], max_positions[1],
+                                   cfg.max_tokens)
+    batches = batch_by_size(kept, data.num_tokens(), cfg.max_tokens, cfg.batch_size, 1)
+    batches = batches[cfg.rank:: cfg.world_size]
+    return data, batches, skipped
