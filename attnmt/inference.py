@@ -7,8 +7,9 @@ directory it was trained from, and with exactly the segmentation the training da
 
 from __future__ import annotations
 
+import functools
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -149,8 +150,16 @@ def load_generator(path: str | os.PathLike, search_cfg, gen_cfg):
                           max_source_positions=bundle.max_source_positions(),
                           truncate_source=gen_cfg.truncate_source)
     if gen_cfg.workers > 1:
-        from attnmt.generation.workers import spawn_loader
-
         each = max(1, (gen_cfg.threads or torch.get_num_threads()) // gen_cfg.workers)
-        generator.start_workers(gen_cfg.workers, each, spawn_loader(path, search_cfg, gen_cfg, each))
+        generator.start_workers(gen_cfg.workers, each,
+                                functools.partial(load_worker_generator, str(path), search_cfg, gen_cfg, each))
     return bundle, generator
+
+
+def load_worker_generator(path: str, search_cfg, gen_cfg, threads: int):
+    """What a spawned decoding worker translates with (the picklable ``load`` of ``WorkerPool``): the checkpoint
+    loaded as ``load_generator`` loads it, for one process."""
+    from attnmt.backends import configure_process
+
+    configure_process("generate", gen_cfg.device)  # a spawned worker is a fresh process
+    return load_generator(path, search_cfg, replace(gen_cfg, workers=1, threads=threads))[1]

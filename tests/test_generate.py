@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import shutil
@@ -378,7 +379,8 @@ def test_workers_report_a_dead_worker_and_refuse_gpus(ckpt):
 def test_workers_of_several_threads_load_their_own_model(ckpt, tmp_path):
     """Workers of 2 threads each are spawned (a forked child hangs in its first multi-threaded OpenMP region once
     the parent has run one), after the parent has run such regions itself."""
-    from attnmt.generation.workers import WorkerPool, spawn_loader
+    from attnmt.generation.workers import WorkerPool
+    from attnmt.inference import load_worker_generator
 
     torch.set_num_threads(2)
     torch.randn(512, 512).exp().sum()  # a multi-threaded OpenMP region in this process
@@ -394,7 +396,8 @@ def test_workers_of_several_threads_load_their_own_model(ckpt, tmp_path):
             assert [h[0].tokens for _, h in gen.generate(sources, max_tokens=40)] == expected
         finally:
             gen.close()
-        missing = spawn_loader(tmp_path / "missing.pt", gen.search_cfg, GenerationConfig(device="cpu"), 2)
+        missing = functools.partial(load_worker_generator, str(tmp_path / "missing.pt"), gen.search_cfg,
+                                    GenerationConfig(device="cpu"), 2)
         with pytest.raises(UserError, match=r"could not load the model: .*no such checkpoint"):
             WorkerPool(gen.search_batch, 2, 2, missing)
         with pytest.raises(ValueError, match="load="):

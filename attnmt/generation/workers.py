@@ -21,7 +21,6 @@ CPU only. Start-up waits until every worker is ready, so a checkpoint a worker c
 
 from __future__ import annotations
 
-import functools
 import multiprocessing as mp
 import os
 import queue
@@ -73,17 +72,6 @@ def _work(search_batch: Callable | None, load: Callable | None, threads: int, ta
             results.put(("error", pid, _peak_rss_mb(), key, traceback.format_exc()))
             continue
         results.put(("done", pid, _peak_rss_mb(), key, hyps))
-
-
-def load_worker_generator(path: str, search_cfg, gen_cfg, threads: int):
-    """What a spawned worker translates with: the checkpoint loaded as ``load_generator`` loads it, one process."""
-    from dataclasses import replace
-
-    from attnmt.backends import configure_process
-    from attnmt.inference import load_generator
-
-    configure_process("generate", gen_cfg.device)  # a spawned worker is a fresh process
-    return load_generator(path, search_cfg, replace(gen_cfg, workers=1, threads=threads))[1]
 
 
 class WorkerPool:
@@ -183,8 +171,3 @@ class WorkerPool:
                 p.kill()
                 p.join()
         self.procs = []
-
-
-def spawn_loader(path, search_cfg, gen_cfg, threads: int) -> Callable:
-    """The picklable ``load`` a spawned worker calls (see ``WorkerPool``)."""
-    return functools.partial(load_worker_generator, str(path), search_cfg, gen_cfg, threads)
