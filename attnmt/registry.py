@@ -32,7 +32,7 @@ from typing import Any
 
 from attnmt.errors import UserError
 
-KINDS = ("model", "arch", "task", "criterion", "optimizer", "lr_scheduler", "tokenizer", "bpe")
+KINDS = ("model", "arch", "task", "criterion", "optimizer", "lr_scheduler", "tokenizer", "bpe", "search")
 
 
 @dataclass

@@ -133,7 +133,8 @@ def check(path: str, output_dir: str, lines: list[str]) -> float:
     """
     import ctranslate2
 
-    from attnmt.generation.search import SearchConfig, beam_search
+    from attnmt.generation.beam import beam_search
+    from attnmt.generation.search import SearchConfig
     from attnmt.inference import load_for_inference
 
     bundle = load_for_inference(path)

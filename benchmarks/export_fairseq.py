@@ -151,7 +151,8 @@ def check(path: str, output_dir: str, lines: list[str]) -> float:
     """Largest difference between attnmt's and fairseq's log-probabilities of attnmt's translations of ``lines``."""
     from fairseq import checkpoint_utils
 
-    from attnmt.generation.search import SearchConfig, beam_search
+    from attnmt.generation.beam import beam_search
+    from attnmt.generation.search import SearchConfig
     from attnmt.inference import load_for_inference
 
     bundle = load_for_inference(path)

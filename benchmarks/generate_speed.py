@@ -153,6 +153,7 @@ def worker(args) -> dict:
     import torch
 
     from attnmt.backends import configure_process
+    from attnmt.generation.beam import BeamSearchConfig
     from attnmt.generation.generator import GenerationConfig
     from attnmt.generation.search import SearchConfig
     from attnmt.inference import load_generator
@@ -160,7 +161,7 @@ def worker(args) -> dict:
     configure_process("generate", "cpu")  # as attnmt generate does
     mode = args.worker
     search_cfg = SearchConfig(beam=args.beam, lenpen=args.lenpen, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
-                              early_stop=args.worker_early_stop)
+                              options=BeamSearchConfig(early_stop=args.worker_early_stop))
     gen_cfg = GenerationConfig(max_tokens=args.max_tokens, device="cpu", bf16=mode == "bf16",
                                quantize="int8" if mode == "int8" else "none", threads=args.threads,
                                workers=args.worker_processes)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from attnmt.config import add_options, given_options, make_config
-from attnmt.generation.search import SearchConfig
+from attnmt.cli.generate import search_config, search_option_classes
+from attnmt.config import add_options, given_options
 
 
 @click.group("plot")
@@ -60,7 +60,7 @@ def attention(path, source, reference, out, layer, head, device, title, dpi, **p
     from attnmt.plots import cross_attention_dump, parse_head, plot_attention, save_png
 
     head = parse_head(head)
-    search_cfg = make_config(SearchConfig, given_options(params))
+    search_cfg = search_config(given_options(params))
     bundle = load_for_inference(path, device)
     dump = cross_attention_dump(bundle, source, reference, search_cfg)
     w, h = save_png(plot_attention(dump, layer, head, title), out, dpi)
@@ -68,4 +68,4 @@ def attention(path, source, reference, out, layer, head, device, title, dpi, **p
                f"{dump.translation}", err=True)
 
 
-add_options(attention, [SearchConfig], skip=("nbest",))
+add_options(attention, search_option_classes(), skip=("nbest",))

@@ -16,10 +16,10 @@ from collections.abc import Iterator
 
 import click
 
+from attnmt.cli.generate import search_option_classes
 from attnmt.config import add_options
 from attnmt.errors import UserError
 from attnmt.generation.generator import GenerationConfig
-from attnmt.generation.search import SearchConfig
 
 
 def _fileno(stream) -> int | None:
@@ -119,4 +119,4 @@ def command(path, buffer_size, fmt, quiet, **params):
         click.echo(f"attnmt translate: {generator.stats.summary(time.perf_counter() - start)}", err=True)
 
 
-add_options(command, [SearchConfig, GenerationConfig])
+add_options(command, [*search_option_classes(), GenerationConfig])

@@ -20,8 +20,9 @@ from attnmt import registry
 from attnmt.config import to_dict
 from attnmt.errors import UserError
 from attnmt.fileio import atomic_torch_save
+from attnmt.generation.beam import beam_search, greedy_search
 from attnmt.generation.generator import GenerationConfig, Generator, make_batches
-from attnmt.generation.search import SearchConfig, beam_search, greedy_search, length_penalty
+from attnmt.generation.search import SearchConfig, length_penalty
 
 WORDS = ("a man woman dog runs jumps over the red blue ball child plays in park with water green house "
          "two girls sit on bench near street").split()
@@ -467,3 +468,46 @@ def test_generate_bf16_without_native_bf16_is_a_one_line_error(ckpt, no_native_b
         run_cli(base + ["--bf16"], SENTENCES[0] + "\n")
     out, _ = run_cli(base + ["--precision", "auto"], SENTENCES[0] + "\n")  # fp32 here
     assert len(out.splitlines()) == 1
+
+
+SEARCH_PLUGIN = '''
+import dataclasses
+from dataclasses import dataclass, field
+
+from attnmt.generation.beam import greedy_search
+from attnmt.generation.search import SearchStrategy
+from attnmt.registry import register
+
+
+@dataclass
+class FirstTokensConfig:
+    first_tokens: int = field(default=1, metadata={"help": "how many tokens to keep"})
+
+
+@register("search", "first_tokens", config=FirstTokensConfig)
+class FirstTokens(SearchStrategy):
+    """Greedy decoding of the first --first-tokens tokens only."""
+
+    def __call__(self, model, src_tokens, src_lengths, sym, sample_ids=None, row_bucket=None):
+        n = self.cfg.options.first_tokens
+        cfg = dataclasses.replace(self.cfg, beam=1, max_len_a=0.0, max_len_b=n, options=None)
+        return greedy_search(model, src_tokens, src_lengths, cfg, sym, row_bucket=row_bucket)
+'''
+
+
+def test_search_strategy_from_user_dir(ckpt, tmp_path):
+    """A plugin registers a search strategy with its own option; --search picks it; options of other strategies
+    are refused with the strategy they belong to."""
+    plugin = tmp_path / "first_tokens.py"
+    plugin.write_text(SEARCH_PLUGIN)
+    stdin = "\n".join(SENTENCES[:6]) + "\n"
+    r = subprocess.run([sys.executable, "-m", "attnmt.cli", "--user-dir", str(plugin), "translate", "--path",
+                        str(ckpt), "--search", "first_tokens", "--first-tokens", "2"], input=stdin,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == library_translations(ckpt, SENTENCES[:6], beam=1, max_len_a=0.0, max_len_b=2)
+    r = subprocess.run([sys.executable, "-m", "attnmt.cli", "--user-dir", str(plugin), "translate", "--path",
+                        str(ckpt), "--search", "first_tokens", "--early-stop", "beam"], input=stdin,
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "--early-stop is an option of --search beam, not of --search first_tokens" in r.stderr

@@ -17,9 +17,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("attnmt.errors", "attnmt.fileio", "attnmt.config", "attnmt.registry")),
     ("data", ("attnmt.data", "attnmt.scoring", "attnmt.progress")),
     ("models", ("attnmt.models",)),
-    ("components", ("attnmt.criterions", "attnmt.optim", "attnmt.tasks", "attnmt.checkpoint", "attnmt.builtins",
-                    "attnmt.backends")),
-    ("inference", ("attnmt.generation", "attnmt.inference", "attnmt.averaging")),
+    ("components", ("attnmt.criterions", "attnmt.optim", "attnmt.tasks", "attnmt.checkpoint", "attnmt.backends")),
+    ("inference", ("attnmt.generation", "attnmt.inference", "attnmt.averaging", "attnmt.builtins")),
     ("work", ("attnmt.training", "attnmt.preprocess", "attnmt.plots")),
     ("commands", ("attnmt.cli",)),
 ]

@@ -8,16 +8,9 @@ import math
 import pytest
 import torch
 
-from attnmt.generation.search import (
-    SearchConfig,
-    Symbols,
-    beam_search,
-    greedy_search,
-    length_penalty,
-    sample_search,
-    score_upper_bound,
-    search,
-)
+from attnmt.generation.beam import BeamSearchConfig, beam_search, greedy_search
+from attnmt.generation.sampling import SamplingConfig, sample_search
+from attnmt.generation.search import SearchConfig, Symbols, length_penalty, score_upper_bound, search
 
 BOS, PAD, EOS, UNK = 0, 1, 2, 3
 SYM = Symbols(eos=EOS, pad=PAD, unk=UNK, bos=BOS)
@@ -270,7 +263,7 @@ def test_sampling_draws_from_the_model_distribution():
     src = [4, 5, EOS]
     n_sent, k = 250, 8
     tokens, lengths = batch([src] * n_sent)
-    cfg = SearchConfig(beam=k, nbest=k, sampling=True, seed=3, max_len_a=0, max_len_b=1, min_len=1)
+    cfg = SearchConfig(beam=k, nbest=k, sampling=True, options=SamplingConfig(seed=3), max_len_a=0, max_len_b=1, min_len=1)
     hyps = sample_search(model, tokens, lengths, cfg, SYM, sample_ids=torch.arange(n_sent))
     firsts = torch.tensor([h.tokens[0] for hs in hyps for h in hs])
     assert firsts.numel() == n_sent * k
@@ -291,22 +284,22 @@ def test_sampling_topk_topp_and_batch_independence():
     logp = torch.log_softmax(model.table[h0], -1)
     logp[[BOS, PAD, EOS]] = float("-inf")
     order = logp.argsort(descending=True).tolist()
-    cfg = SearchConfig(beam=4, nbest=4, sampling=True, sampling_topk=2, max_len_a=0, max_len_b=1)
+    cfg = SearchConfig(beam=4, nbest=4, sampling=True, options=SamplingConfig(sampling_topk=2), max_len_a=0, max_len_b=1)
     got = {h.tokens[0] for hs in sample_search(model, tokens, lengths, cfg, SYM) for h in hs}
     assert got == set(order[:2])
     p = torch.softmax(logp, -1)
     need = next(i for i in range(10) if float(p[order[: i + 1]].sum()) >= 0.5) + 1
-    cfg = SearchConfig(beam=4, nbest=4, sampling=True, sampling_topp=0.5, max_len_a=0, max_len_b=1)
+    cfg = SearchConfig(beam=4, nbest=4, sampling=True, options=SamplingConfig(sampling_topp=0.5), max_len_a=0, max_len_b=1)
     got = {h.tokens[0] for hs in sample_search(model, tokens, lengths, cfg, SYM) for h in hs}
     assert got == set(order[:need])
     # a sentence's samples depend on (seed, its id), not on its batch
     sources = [[5, 4, 4, EOS], [4, EOS], [3, 5, 5, 4, 5, EOS]]
-    cfg = SearchConfig(beam=3, nbest=3, sampling=True, seed=7, max_len_b=5)
+    cfg = SearchConfig(beam=3, nbest=3, sampling=True, options=SamplingConfig(seed=7), max_len_b=5)
     together = sample_search(model, *batch(sources), cfg, SYM, sample_ids=torch.tensor([10, 11, 12]))
     for i, src in enumerate(sources):
         alone = sample_search(model, *batch([src]), cfg, SYM, sample_ids=torch.tensor([10 + i]))[0]
         assert [h.tokens for h in alone] == [h.tokens for h in together[i]]
-    other_seed = sample_search(model, *batch(sources), SearchConfig(beam=3, nbest=3, sampling=True, seed=8,
+    other_seed = sample_search(model, *batch(sources), SearchConfig(beam=3, nbest=3, sampling=True, options=SamplingConfig(seed=8),
                                                                     max_len_b=5), SYM, torch.tensor([10, 11, 12]))
     assert [[h.tokens for h in hs] for hs in other_seed] != [[h.tokens for h in hs] for hs in together]
     for hs in together:
@@ -317,7 +310,7 @@ def test_config_validation_messages():
     with pytest.raises(ValueError, match="--nbest"):
         SearchConfig(beam=2, nbest=3)
     with pytest.raises(ValueError, match="--sampling-topp"):
-        SearchConfig(sampling_topp=0.0)
+        SamplingConfig(sampling_topp=0.0)
     assert math.isclose(SearchConfig().lenpen, 0.6) and SearchConfig().beam == 4
 
 
@@ -345,7 +338,7 @@ def test_beam_early_stop_is_a_prefix_of_the_exact_search(seed):
     exact_model, beam_model = TableModel(vocab=7, seed=seed, bias={EOS: 1.0}), TableModel(vocab=7, seed=seed,
                                                                                         bias={EOS: 1.0})
     exact = beam_search(exact_model, *batch(sources), SearchConfig(beam=3, lenpen=1.5, max_len_b=12), SYM)
-    cfg = SearchConfig(beam=3, lenpen=1.5, max_len_b=12, early_stop="beam")
+    cfg = SearchConfig(beam=3, lenpen=1.5, max_len_b=12, options=BeamSearchConfig(early_stop="beam"))
     early = beam_search(beam_model, *batch(sources), cfg, SYM)
     assert beam_model.calls <= exact_model.calls
     for src, e, b in zip(sources, exact, early):
@@ -360,7 +353,7 @@ def test_beam_early_stop_takes_fewer_steps_when_short_hypotheses_finish_first():
         exact_model, beam_model = TableModel(vocab=7, seed=seed, bias={EOS: 1.5}), TableModel(vocab=7, seed=seed,
                                                                                             bias={EOS: 1.5})
         beam_search(exact_model, *batch(SOURCES), SearchConfig(beam=3, lenpen=2.0, max_len_b=12), SYM)
-        beam_search(beam_model, *batch(SOURCES), SearchConfig(beam=3, lenpen=2.0, max_len_b=12, early_stop="beam"),
+        beam_search(beam_model, *batch(SOURCES), SearchConfig(beam=3, lenpen=2.0, max_len_b=12, options=BeamSearchConfig(early_stop="beam")),
                     SYM)
         fewer += beam_model.calls < exact_model.calls
     assert fewer > 0

@@ -1,6 +1,7 @@
 """Search over target sequences: beam search, greedy decoding and sampling.
 
-All three drive a model through its incremental-decoding interface (``encode``, ``decode_features`` +
+Strategies (``SearchStrategy``) are registered like every other component and chosen with ``--search``; the
+built-in ones live in ``beam.py`` (beam search and greedy decoding) and ``sampling.py``. All through its incremental-decoding interface (``encode``, ``decode_features`` +
 ``output_layer`` or ``decode`` with a cache, ``new_cache``, ``reorder``, ``max_positions``: see
 :class:`attnmt.models.interface.EncoderDecoderModel`) and return, per source sentence, a list of finished :class:`Hypothesis` sorted best
 first.
@@ -36,8 +37,9 @@ from __future__ import annotations
 
 import bisect
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -49,8 +51,11 @@ NEG_INF = float("-inf")
 
 @dataclass
 class SearchConfig:
-    """How hypotheses are searched for and ranked."""
+    """How hypotheses are searched for and ranked: the options every strategy shares, the strategy's name and its own
+    options (``options``: the config the strategy registered, None for its defaults)."""
 
+    search: str = field(default="beam", metadata={
+        "help": "Search strategy (registered: beam, sampling, and any plugin's); see attnmt list."})
     beam: int = field(default=4, metadata={"help": "Beam size; 1 is greedy search. With --sampling: samples drawn per sentence."})
     lenpen: float = field(default=0.6, metadata={
         "help": "Length penalty alpha: score = logprob / ((5 + length) / 6) ** alpha (GNMT); 0 ranks by logprob."})
@@ -60,19 +65,13 @@ class SearchConfig:
     nbest: int = field(default=1, metadata={"help": "Output this many hypotheses per sentence (at most --beam)."})
     unkpen: float = field(default=0.0, metadata={"help": "Subtract this from the log-probability of the unknown word."})
     no_repeat_ngram_size: int = field(default=0, metadata={"help": "Never repeat an n-gram of this size (0: off)."})
-    early_stop: Literal["exact", "beam"] = field(default="exact", metadata={
-        "help": "When a sentence stops: exact (once no live hypothesis can beat its n-best list: the result of an "
-                "unbounded search) or beam (also once --beam hypotheses ending in EOS have ranked among the --beam best "
-                "extensions of a step, as fairseq and CTranslate2 stop: "
-                "fewer decoder steps, but a longer hypothesis that would have scored higher can be missed)."})
-    sampling: bool = field(default=False, metadata={"help": "Sample from the model instead of searching."})
-    sampling_topk: int = field(default=0, metadata={"help": "Sample from the k most probable tokens only (0: all)."})
-    sampling_topp: float = field(default=1.0, metadata={
-        "help": "Sample from the smallest set of tokens whose probability reaches p (1.0: all)."})
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (scores stay model log-probs)."})
-    seed: int = field(default=1, metadata={"help": "Seed for --sampling; a sentence's samples depend on it and its index."})
+    sampling: bool = field(default=False, metadata={"help": "Sample from the model instead of searching (fairseq's "
+                                                            "spelling of --search sampling)."})
+    options: Any = field(default=None, metadata={"cli": False})
 
     def __post_init__(self):
+        if self.sampling:
+            self.search = "sampling"
         if self.beam < 1:
             raise ValueError(f"--beam must be at least 1, got {self.beam}")
         if not 1 <= self.nbest <= self.beam:
@@ -83,12 +82,6 @@ class SearchConfig:
             raise ValueError(f"--min-len must not be negative, got {self.min_len}")
         if self.no_repeat_ngram_size < 0:
             raise ValueError(f"--no-repeat-ngram-size must not be negative, got {self.no_repeat_ngram_size}")
-        if self.sampling_topk < 0:
-            raise ValueError(f"--sampling-topk must not be negative, got {self.sampling_topk}")
-        if not 0.0 < self.sampling_topp <= 1.0:
-            raise ValueError(f"--sampling-topp must be in (0, 1], got {self.sampling_topp}")
-        if self.temperature <= 0:
-            raise ValueError(f"--temperature must be positive, got {self.temperature}")
         if not math.isfinite(self.lenpen):
             raise ValueError(f"--lenpen must be a finite number, got {self.lenpen}")
 
@@ -302,7 +295,7 @@ def next_token_extensions(model, tokens: Tensor, step: int, enc, cache, max_len:
 # ------------------------------------------------------------------------------------------------ bookkeeping
 
 
-class _Finished:
+class Finished:
     """Per sentence, the ``nbest`` best finished hypotheses (sorted, best first; ties keep the earlier one)."""
 
     def __init__(self, n: int, nbest: int):
@@ -317,7 +310,7 @@ class _Finished:
         return lst[-1].score if len(lst) == self.nbest else NEG_INF
 
 
-def _finalize(finished: _Finished, kth_best: Tensor, sent_ids: list[int], local: Tensor, rows: Tensor,
+def finalize(finished: Finished, kth_best: Tensor, sent_ids: list[int], local: Tensor, rows: Tensor,
               tokens: Tensor, pos_scores: Tensor, step: int, eos_lp: Tensor, cum: Tensor, alpha: float,
               eos: int) -> None:
     """Finish the prefixes in ``rows`` (``step`` tokens each) with EOS.
@@ -342,11 +335,11 @@ def _finalize(finished: _Finished, kth_best: Tensor, sent_ids: list[int], local:
 # ------------------------------------------------------------------------------------------------ searches
 
 
-def _max_target_positions(model: EncoderDecoderModel) -> int:
+def max_target_positions(model: EncoderDecoderModel) -> int:
     return int(model.max_positions()[1])
 
 
-def _start(model, src_tokens: Tensor, src_lengths: Tensor, copies: int, row_bucket: RowBucket | None):
+def start_rows(model, src_tokens: Tensor, src_lengths: Tensor, copies: int, row_bucket: RowBucket | None):
     """Encode once; give every sentence ``copies`` independent rows (samples) of encoder output and cache."""
     enc = model.encode(src_tokens, src_lengths)
     cache = model.new_cache(1, row_bucket)
@@ -356,226 +349,30 @@ def _start(model, src_tokens: Tensor, src_lengths: Tensor, copies: int, row_buck
     return enc, cache
 
 
+class SearchStrategy(ABC):
+    """A way to search: registered as ``@register("search", NAME, config=ITS_OPTIONS)`` and chosen with ``--search
+    NAME``; its own options arrive as ``cfg.options`` (an instance of its config, or None for the defaults)."""
+
+    def __init__(self, cfg: SearchConfig):
+        self.cfg = cfg
+
+    @abstractmethod
+    def __call__(self, model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: Tensor, sym: Symbols,
+                 sample_ids: Tensor | None = None, row_bucket: RowBucket | None = None) -> list[list[Hypothesis]]:
+        """Per sentence of the right-padded batch, its ``cfg.nbest`` hypotheses, best first."""
+
+
 def search(model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: Tensor, cfg: SearchConfig, sym: Symbols,
            sample_ids: Tensor | None = None, row_bucket: RowBucket | None = None) -> list[list[Hypothesis]]:
-    """Translate a batch of right-padded sources; per sentence, its ``cfg.nbest`` hypotheses, best first.
+    """Translate a batch of right-padded sources with the strategy ``cfg.search``; per sentence, its ``cfg.nbest``
+    hypotheses, best first.
 
     ``sample_ids`` (one id per sentence, e.g. its input line) seed ``--sampling`` per sentence, so that a sample
     does not depend on batching; other searches ignore them. ``row_bucket``: the backend's row padding for the
     decoder's matrix products (``Backend.row_bucket``; None: none); it never changes a result.
     """
-    if cfg.sampling:
-        return sample_search(model, src_tokens, src_lengths, cfg, sym, sample_ids, row_bucket=row_bucket)
-    if cfg.beam == 1:
-        return greedy_search(model, src_tokens, src_lengths, cfg, sym, row_bucket=row_bucket)
-    return beam_search(model, src_tokens, src_lengths, cfg, sym, row_bucket=row_bucket)
+    from attnmt.registry import get, load_builtins
 
-
-@torch.inference_mode()
-def beam_search(model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: Tensor, cfg: SearchConfig,
-                sym: Symbols, row_bucket: RowBucket | None = None) -> list[list[Hypothesis]]:
-    """Beam search with the GNMT length penalty and a per-sentence, exact early stop.
-
-    Each step scores all ``beam * vocab`` extensions of a sentence's live hypotheses at once and keeps the best
-    ``2 * beam``: the EOS ones among them are finished (at most one per beam, so at least ``beam`` others remain),
-    the best ``beam`` others stay live. A sentence leaves the batch (its rows of encoder output and cache are
-    dropped) as soon as its n-best list is final; the search ends when none is left.
-    """
-    dev = src_tokens.device
-    B, K = src_tokens.size(0), cfg.beam
-    max_len = max_lengths(src_lengths.to(dev), cfg, _max_target_positions(model))
-    enc, cache = model.encode(src_tokens, src_lengths), model.new_cache(K, row_bucket)  # encoder: once a sentence
-    T = int(max_len.max()) + 2
-    tokens = torch.full((B * K, T), sym.eos, dtype=torch.long, device=dev)  # column 0: the decoder's start EOS
-    pos_scores = torch.zeros((B * K, T), dtype=torch.float32, device=dev)
-    scores = torch.full((B, K), NEG_INF, device=dev)
-    scores[:, 0] = 0.0  # all beams start identical: keep only the first one alive at step 0
-    kth_best = torch.full((B,), NEG_INF, device=dev)
-    sent_ids = list(range(B))
-    finished = _Finished(B, cfg.nbest)
-    bonus = max(0.0, -cfg.unkpen)
-    A = B
-    arange_a = torch.arange(A, device=dev)
-    beam_stop = cfg.early_stop == "beam"
-    top_eos = torch.zeros(A, dtype=torch.long, device=dev)  # per sentence, for beam_stop
-    for step in range(T - 1):
-        top_s, top_lp, beam_i, tok = next_token_extensions(model, tokens, step, enc, cache, max_len.repeat_interleave(K),
-                                                           scores.view(-1), K, cfg, sym, row_bucket)  # (A, C) each
-        is_eos = tok == sym.eos
-        fin = is_eos & (top_s > NEG_INF)
-        if bool(fin.any()):
-            local, c = fin.nonzero(as_tuple=True)
-            _finalize(finished, kth_best, sent_ids, local, local * K + beam_i[local, c], tokens, pos_scores, step,
-                      top_lp[local, c], top_s[local, c], cfg.lenpen, sym.eos)
-        C = top_s.size(1)
-        sel = (is_eos.long() * C + torch.arange(C, device=dev)).topk(K, dim=1, largest=False).indices
-        new_s, new_tok, new_lp = top_s.gather(1, sel), tok.gather(1, sel), top_lp.gather(1, sel)
-        src_rows = (arange_a * K)[:, None] + beam_i.gather(1, sel)
-        done = score_upper_bound(new_s[:, 0], step + 1, max_len, cfg.lenpen, bonus) <= kth_best
-        if beam_stop:  # fairseq's rule: `beam` EOS hypotheses ranked among the `beam` best extensions
-            top_eos += fin[:, :K].sum(dim=1)
-            done |= top_eos >= K
-        keep = None
-        if bool(done.any()):
-            keep = (~done).nonzero(as_tuple=True)[0]
-            if keep.numel() == 0:
-                break
-            src_rows, new_s, new_tok, new_lp = src_rows[keep], new_s[keep], new_tok[keep], new_lp[keep]
-            kth_best, max_len, top_eos = kth_best[keep], max_len[keep], top_eos[keep]
-            sent_ids = [sent_ids[i] for i in keep.tolist()]
-            A = keep.numel()
-            arange_a = torch.arange(A, device=dev)
-        order = src_rows.reshape(-1)
-        tokens = tokens[order]
-        tokens[:, step + 1] = new_tok.reshape(-1)
-        pos_scores = pos_scores[order]
-        pos_scores[:, step] = new_lp.reshape(-1)
-        scores = new_s
-        enc, cache = model.reorder(enc, cache, order, keep)
-    return finished.hyps
-
-
-@torch.inference_mode()
-def greedy_search(model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: Tensor, cfg: SearchConfig,
-                  sym: Symbols, row_bucket: RowBucket | None = None) -> list[list[Hypothesis]]:
-    """Beam search with beam 1, without the beam bookkeeping: the same arithmetic, so exactly the same output.
-
-    As in beam search, an EOS among the two best extensions finishes a hypothesis and the best non-EOS one stays
-    live; with a length penalty that live one may still win, so the search goes on until the early-stopping bound
-    rules it out. The cache is only reordered when sentences leave the batch.
-    """
-    if cfg.nbest != 1:
-        raise ValueError("greedy search returns one hypothesis per sentence; use --beam N for --nbest N")
-    dev = src_tokens.device
-    B = src_tokens.size(0)
-    max_len = max_lengths(src_lengths.to(dev), cfg, _max_target_positions(model))
-    enc, cache = _start(model, src_tokens, src_lengths, 1, row_bucket)
-    T = int(max_len.max()) + 2
-    tokens = torch.full((B, T), sym.eos, dtype=torch.long, device=dev)
-    pos_scores = torch.zeros((B, T), dtype=torch.float32, device=dev)
-    scores = torch.zeros((B,), device=dev)
-    kth_best = torch.full((B,), NEG_INF, device=dev)
-    sent_ids = list(range(B))
-    finished = _Finished(B, 1)
-    bonus = max(0.0, -cfg.unkpen)
-    beam_stop = cfg.early_stop == "beam"
-    for step in range(T - 1):
-        # the same arithmetic as beam search with one beam
-        top_s, top_lp, _, top_i = next_token_extensions(model, tokens, step, enc, cache, max_len, scores, 1, cfg, sym,
-                                                        row_bucket)
-        is_eos = top_i == sym.eos
-        fin = is_eos & (top_s > NEG_INF)
-        if bool(fin.any()):
-            local, c = fin.nonzero(as_tuple=True)
-            _finalize(finished, kth_best, sent_ids, local, local, tokens, pos_scores, step, top_lp[local, c],
-                      top_s[local, c], cfg.lenpen, sym.eos)
-        pick = is_eos[:, :1].long()  # the first non-EOS of the two
-        new_s, new_tok, new_lp = top_s.gather(1, pick)[:, 0], top_i.gather(1, pick)[:, 0], top_lp.gather(1, pick)[:, 0]
-        done = score_upper_bound(new_s, step + 1, max_len, cfg.lenpen, bonus) <= kth_best
-        if beam_stop:  # fairseq's rule with beam 1: EOS is the best extension
-            done |= fin[:, 0]
-        if bool(done.any()):
-            keep = (~done).nonzero(as_tuple=True)[0]
-            if keep.numel() == 0:
-                break
-            new_s, new_tok, new_lp = new_s[keep], new_tok[keep], new_lp[keep]
-            kth_best, max_len = kth_best[keep], max_len[keep]
-            sent_ids = [sent_ids[i] for i in keep.tolist()]
-            tokens, pos_scores = tokens[keep], pos_scores[keep]
-            enc, cache = model.reorder(enc, cache, keep, keep)
-        tokens[:, step + 1] = new_tok
-        pos_scores[:, step] = new_lp
-        scores = new_s
-    return finished.hyps
-
-
-# ------------------------------------------------------------------------------------------------ sampling
-
-_M32 = 0xFFFFFFFF
-
-
-def _mix32(x: Tensor) -> Tensor:
-    """A 32-bit integer hash (xor-shift-multiply) on int64 tensors holding values below 2**32."""
-    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
-    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
-    return (x >> 16) ^ x
-
-
-def _sample_keys(seed: int, sample_ids: Tensor, copy: Tensor) -> Tensor:
-    """One random stream per (seed, sentence id, sample number): independent of batching."""
-    h = _mix32(torch.full_like(sample_ids, seed & _M32))
-    h = _mix32(h ^ (sample_ids & _M32))
-    return _mix32(h ^ copy)
-
-
-def _gumbel_noise(keys: Tensor, step: int, vocab: int) -> Tensor:
-    """Gumbel(0, 1) noise (R, V) from counter-based uniforms: a pure function of (key, step, token)."""
-    h = _mix32(keys ^ step)
-    tok = (torch.arange(vocab, device=keys.device, dtype=torch.long) * 0x9E3779B1) & _M32
-    bits = _mix32(h[:, None] ^ tok[None, :]) >> 8  # 24 uniform bits: exact in float32
-    u = (bits.float() + 0.5) * (2.0 ** -24)
-    return -torch.log(-torch.log(u))
-
-
-def _filter_logits(logits: Tensor, topk: int, topp: float) -> Tensor:
-    """Keep the ``topk`` best tokens and the smallest set reaching probability ``topp``; the rest get -inf."""
-    if topk and topk < logits.size(1):
-        kth = logits.topk(topk, dim=1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, NEG_INF)
-    if topp < 1.0:
-        probs = torch.softmax(logits, dim=1)
-        sorted_p, order = probs.sort(dim=1, descending=True)
-        drop_sorted = (sorted_p.cumsum(dim=1) - sorted_p) >= topp  # the mass before this token already reaches p
-        drop_sorted[:, 0] = False
-        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-        logits = logits.masked_fill(drop, NEG_INF)
-    return logits
-
-
-@torch.inference_mode()
-def sample_search(model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: Tensor, cfg: SearchConfig, sym: Symbols,
-                  sample_ids: Tensor | None = None, row_bucket: RowBucket | None = None) -> list[list[Hypothesis]]:
-    """Draw ``cfg.beam`` samples per sentence (Gumbel-max over the filtered, tempered distribution).
-
-    Randomness is a hash of (``--seed``, sentence id, sample number, step, token), so a sentence's samples are
-    the same however the input is batched. Scores are the model's log-probabilities (``--unkpen`` applied, no
-    temperature) under the length penalty; the ``nbest`` best samples are returned.
-    """
-    dev = src_tokens.device
-    B, K = src_tokens.size(0), cfg.beam
-    ids = torch.arange(B, device=dev) if sample_ids is None else sample_ids.to(dev).long()
-    max_len = max_lengths(src_lengths.to(dev), cfg, _max_target_positions(model)).repeat_interleave(K)
-    enc, cache = _start(model, src_tokens, src_lengths, K, row_bucket)
-    R = B * K
-    keys = _sample_keys(cfg.seed, ids.repeat_interleave(K), torch.arange(K, device=dev).repeat(B))
-    T = int(max_len.max()) + 2
-    tokens = torch.full((R, T), sym.eos, dtype=torch.long, device=dev)
-    pos_scores = torch.zeros((R, T), dtype=torch.float32, device=dev)
-    scores = torch.zeros((R,), device=dev)
-    row_sent = [r // K for r in range(R)]
-    finished = _Finished(B, K)
-    unused = torch.full((R,), NEG_INF, device=dev)
-    for step in range(T - 1):
-        logits = model.decode(tokens[:, step:step + 1], enc, cache)[:, -1]
-        lprobs = step_log_probs(logits, step, max_len, tokens[:, 1:step + 1], cfg, sym)
-        filtered = _filter_logits(lprobs / cfg.temperature, cfg.sampling_topk, cfg.sampling_topp)
-        choice = (filtered + _gumbel_noise(keys, step, lprobs.size(1))).argmax(dim=1)
-        lp = lprobs.gather(1, choice[:, None])[:, 0]
-        new_s = scores + lp
-        is_eos = choice == sym.eos
-        if bool(is_eos.any()):
-            rows = is_eos.nonzero(as_tuple=True)[0]
-            _finalize(finished, unused, row_sent, rows, rows, tokens, pos_scores, step, lp[rows], new_s[rows],
-                      cfg.lenpen, sym.eos)
-            keep = (~is_eos).nonzero(as_tuple=True)[0]
-            if keep.numel() == 0:
-                break
-            choice, lp, new_s, keys, max_len = choice[keep], lp[keep], new_s[keep], keys[keep], max_len[keep]
-            row_sent = [row_sent[i] for i in keep.tolist()]
-            unused = unused[keep]
-            tokens, pos_scores = tokens[keep], pos_scores[keep]
-            enc, cache = model.reorder(enc, cache, keep, keep)
-        tokens[:, step + 1] = choice
-        pos_scores[:, step] = lp
-        scores = new_s
-    return [h[: cfg.nbest] for h in finished.hyps]
+    load_builtins()
+    strategy = get("search", cfg.search).obj
+    return strategy(cfg)(model, src_tokens, src_lengths, sym, sample_ids=sample_ids, row_bucket=row_bucket)

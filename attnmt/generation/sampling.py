@@ -1,0 +1,147 @@
+"""Sampling (``--search sampling`` or ``--sampling``): ``--beam`` samples per sentence from the model's distribution,
+filtered (top-k, top-p) and tempered, with randomness that does not depend on batching."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from attnmt.generation.search import (
+    NEG_INF,
+    Finished,
+    Hypothesis,
+    SearchConfig,
+    SearchStrategy,
+    Symbols,
+    finalize,
+    max_lengths,
+    max_target_positions,
+    start_rows,
+    step_log_probs,
+)
+from attnmt.models.interface import EncoderDecoderModel, RowBucket
+from attnmt.registry import register
+
+
+@dataclass
+class SamplingConfig:
+    """Options of sampling."""
+
+    sampling_topk: int = field(default=0, metadata={"help": "Sample from the k most probable tokens only (0: all)."})
+    sampling_topp: float = field(default=1.0, metadata={
+        "help": "Sample from the smallest set of tokens whose probability reaches p (1.0: all)."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (scores stay model log-probs)."})
+    seed: int = field(default=1, metadata={"help": "Seed for --sampling; a sentence's samples depend on it and its index."})
+
+    def __post_init__(self):
+        if self.sampling_topk < 0:
+            raise ValueError(f"--sampling-topk must not be negative, got {self.sampling_topk}")
+        if not 0.0 < self.sampling_topp <= 1.0:
+            raise ValueError(f"--sampling-topp must be in (0, 1], got {self.sampling_topp}")
+        if self.temperature <= 0:
+            raise ValueError(f"--temperature must be positive, got {self.temperature}")
+
+
+def _options(cfg: SearchConfig) -> SamplingConfig:
+    return SamplingConfig() if cfg.options is None else cfg.options
+
+
+@register("search", "sampling", config=SamplingConfig)
+class Sampling(SearchStrategy):
+    """--beam samples per sentence (Gumbel-max over the filtered, tempered distribution), the nbest best kept."""
+
+    def __call__(self, model, src_tokens, src_lengths, sym, sample_ids=None, row_bucket=None):
+        return sample_search(model, src_tokens, src_lengths, self.cfg, sym, sample_ids, row_bucket=row_bucket)
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash (xor-shift-multiply) on int64 tensors holding values below 2**32."""
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
+    return (x >> 16) ^ x
+
+
+def _sample_keys(seed: int, sample_ids: Tensor, copy: Tensor) -> Tensor:
+    """One random stream per (seed, sentence id, sample number): independent of batching."""
+    h = _mix32(torch.full_like(sample_ids, seed & _M32))
+    h = _mix32(h ^ (sample_ids & _M32))
+    return _mix32(h ^ copy)
+
+
+def _gumbel_noise(keys: Tensor, step: int, vocab: int) -> Tensor:
+    """Gumbel(0, 1) noise (R, V) from counter-based uniforms: a pure function of (key, step, token)."""
+    h = _mix32(keys ^ step)
+    tok = (torch.arange(vocab, device=keys.device, dtype=torch.long) * 0x9E3779B1) & _M32
+    bits = _mix32(h[:, None] ^ tok[None, :]) >> 8  # 24 uniform bits: exact in float32
+    u = (bits.float() + 0.5) * (2.0 ** -24)
+    return -torch.log(-torch.log(u))
+
+
+def _filter_logits(logits: Tensor, topk: int, topp: float) -> Tensor:
+    """Keep the ``topk`` best tokens and the smallest set reaching probability ``topp``; the rest get -inf."""
+    if topk and topk < logits.size(1):
+        kth = logits.topk(topk, dim=1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, NEG_INF)
+    if topp < 1.0:
+        probs = torch.softmax(logits, dim=1)
+        sorted_p, order = probs.sort(dim=1, descending=True)
+        drop_sorted = (sorted_p.cumsum(dim=1) - sorted_p) >= topp  # the mass before this token already reaches p
+        drop_sorted[:, 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        logits = logits.masked_fill(drop, NEG_INF)
+    return logits
+
+
+@torch.inference_mode()
+def sample_search(model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: Tensor, cfg: SearchConfig, sym: Symbols,
+                  sample_ids: Tensor | None = None, row_bucket: RowBucket | None = None) -> list[list[Hypothesis]]:
+    """Draw ``cfg.beam`` samples per sentence (Gumbel-max over the filtered, tempered distribution).
+
+    Randomness is a hash of (``--seed``, sentence id, sample number, step, token), so a sentence's samples are
+    the same however the input is batched. Scores are the model's log-probabilities (``--unkpen`` applied, no
+    temperature) under the length penalty; the ``nbest`` best samples are returned.
+    """
+    dev = src_tokens.device
+    B, K = src_tokens.size(0), cfg.beam
+    ids = torch.arange(B, device=dev) if sample_ids is None else sample_ids.to(dev).long()
+    max_len = max_lengths(src_lengths.to(dev), cfg, max_target_positions(model)).repeat_interleave(K)
+    enc, cache = start_rows(model, src_tokens, src_lengths, K, row_bucket)
+    R = B * K
+    opts = _options(cfg)
+    keys = _sample_keys(opts.seed, ids.repeat_interleave(K), torch.arange(K, device=dev).repeat(B))
+    T = int(max_len.max()) + 2
+    tokens = torch.full((R, T), sym.eos, dtype=torch.long, device=dev)
+    pos_scores = torch.zeros((R, T), dtype=torch.float32, device=dev)
+    scores = torch.zeros((R,), device=dev)
+    row_sent = [r // K for r in range(R)]
+    finished = Finished(B, K)
+    unused = torch.full((R,), NEG_INF, device=dev)
+    for step in range(T - 1):
+        logits = model.decode(tokens[:, step:step + 1], enc, cache)[:, -1]
+        lprobs = step_log_probs(logits, step, max_len, tokens[:, 1:step + 1], cfg, sym)
+        filtered = _filter_logits(lprobs / opts.temperature, opts.sampling_topk, opts.sampling_topp)
+        choice = (filtered + _gumbel_noise(keys, step, lprobs.size(1))).argmax(dim=1)
+        lp = lprobs.gather(1, choice[:, None])[:, 0]
+        new_s = scores + lp
+        is_eos = choice == sym.eos
+        if bool(is_eos.any()):
+            rows = is_eos.nonzero(as_tuple=True)[0]
+            finalize(finished, unused, row_sent, rows, rows, tokens, pos_scores, step, lp[rows], new_s[rows],
+                      cfg.lenpen, sym.eos)
+            keep = (~is_eos).nonzero(as_tuple=True)[0]
+            if keep.numel() == 0:
+                break
+            choice, lp, new_s, keys, max_len = choice[keep], lp[keep], new_s[keep], keys[keep], max_len[keep]
+            row_sent = [row_sent[i] for i in keep.tolist()]
+            unused = unused[keep]
+            tokens, pos_scores = tokens[keep], pos_scores[keep]
+            enc, cache = model.reorder(enc, cache, keep, keep)
+        tokens[:, step + 1] = choice
+        pos_scores[:, step] = lp
+        scores = new_s
+    return [h[: cfg.nbest] for h in finished.hyps]
