@@ -21,7 +21,8 @@ for prec in fp32 auto; do
 done
 attnmt average-checkpoints --inputs "$OUT/ckpt_fp32" --num-update-checkpoints 3 --output "$OUT/averaged.pt"
 python "$HERE/checkpoint_digest.py" "$OUT/averaged.pt" > "$OUT/digests/averaged.json"
-for mode in "fp32" "auto" "fp32 --quantize int8" "fp32 --workers 2 --threads 2" "fp32 --beam 1" "fp32 --nbest 2 --format fairseq"; do
+for mode in "fp32" "auto" "fp32 --quantize int8" "fp32 --workers 2 --threads 2" "fp32 --beam 1" "fp32 --nbest 2 --format fairseq" \
+    "fp32 --sampling --beam 2 --nbest 2 --format fairseq --seed 3"; do
   name=$(echo "$mode" | tr ' ' '_' | tr -d '-')
   # shellcheck disable=SC2086
   attnmt generate "$BIN" --path "$MODEL" --gen-subset test --quiet --precision $mode > "$OUT/digests/test_$name.txt"

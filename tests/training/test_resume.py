@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from train_fixtures import TINY_MODEL, make_data_bin
+from helpers import TINY_MODEL, make_data_bin
 
 from attnmt import checkpoint as ckpts
 from attnmt.cli import main

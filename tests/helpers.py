@@ -6,9 +6,11 @@ import json
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from attnmt.data.dictionary import Dictionary
 from attnmt.data.indexed import IndexedDatasetBuilder
+from attnmt.models.transformer import TransformerConfig, TransformerModel
 
 WORDS = [f"w{i}" for i in range(24)]
 
@@ -70,3 +72,25 @@ def make_data_bin(root: Path, n_train: int = 200, n_valid: int = 24, joined: boo
             "bpe": "none", "tokenizer": "none", "lowercase": False}
     (root / "preprocess.json").write_text(json.dumps(meta), encoding="utf-8")
     return root
+
+
+# ------------------------------------------------------------------ a small Transformer and one batch for it
+
+PAD = 1
+
+
+def small_model(dropout: float = 0.0) -> TransformerModel:
+    torch.manual_seed(0)
+    cfg = TransformerConfig(encoder_layers=2, decoder_layers=2, encoder_embed_dim=32, decoder_embed_dim=32,
+                            encoder_ffn_embed_dim=64, decoder_ffn_embed_dim=64, encoder_attention_heads=4,
+                            decoder_attention_heads=4, dropout=dropout, share_all_embeddings=True)
+    return TransformerModel.build(cfg, 50, 50, PAD, joint_vocab=True)
+
+
+def small_batch():
+    src = torch.tensor([[5, 6, 7, 8, 2], [9, 10, 2, PAD, PAD], [11, 12, 13, 2, PAD]])
+    target = torch.tensor([[20, 21, 22, 2], [23, 2, PAD, PAD], [24, 25, 2, PAD]])
+    prev = torch.tensor([[2, 20, 21, 22], [2, 23, PAD, PAD], [2, 24, 25, PAD]])
+    lengths = src.ne(PAD).sum(1)
+    return {"net_input": {"src_tokens": src, "src_lengths": lengths, "prev_output_tokens": prev},
+            "target": target, "ntokens": int(target.ne(PAD).sum()), "nsentences": 3}

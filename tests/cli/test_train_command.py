@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from train_fixtures import TINY_MODEL, make_data_bin
+from helpers import TINY_MODEL, make_data_bin
 
 from attnmt.cli import main
 

@@ -437,7 +437,7 @@ def test_generator_refuses_overlong_sources_with_line_number(ckpt):
 @pytest.mark.slow
 def test_train_then_generate_translates_the_toy_task(tmp_path):
     """attnmt train on a learnable toy task, then attnmt generate on its valid split: high BLEU, also in int8."""
-    from train_fixtures import TINY_MODEL, make_data_bin
+    from helpers import TINY_MODEL, make_data_bin
 
     from attnmt.cli import main
     from attnmt.scoring import corpus_bleu

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from train_fixtures import TINY_MODEL, make_data_bin
+from helpers import TINY_MODEL, make_data_bin
 
 from attnmt import checkpoint as ckpts
 from attnmt.backends import training_device

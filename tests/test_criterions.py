@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import small_batch, small_model
 
 from attnmt.criterions import (
     CrossEntropy,
@@ -12,6 +13,7 @@ from attnmt.criterions import (
     LabelSmoothedCrossEntropy,
     LabelSmoothedCrossEntropyConfig,
     reduce_metrics,
+    smoothed_cross_entropy,
 )
 from attnmt.errors import UserError
 
@@ -151,3 +153,91 @@ def test_fused_loss_on_bf16_logits_gives_bf16_gradient_close_to_fp32():
     assert l16.dtype == torch.float32 and x16.grad.dtype == torch.bfloat16
     assert float(l16.detach()) == pytest.approx(float(l32.detach()), rel=1e-2)
     assert torch.allclose(x16.grad.float(), x32.grad, atol=1e-2)
+
+
+# ------------------------------------------------------- fused and blocked kernels against the reference formula
+
+def test_criterion_with_fused_projection_equals_full_logits_loss_and_gradients():
+    """The criterion's fused projection + loss over the selected positions = the reference formula applied to
+    the model's full teacher-forced logits: same loss, NLL and parameter gradients."""
+    from attnmt.criterions import label_smoothed_nll_loss
+
+    crit = LabelSmoothedCrossEntropy(LabelSmoothedCrossEntropyConfig(0.1), PAD)
+    b = small_batch()
+    net = b["net_input"]
+    a_model, b_model = small_model(), small_model()
+    a_model.eval(), b_model.eval()
+    loss_a, log_a = crit(a_model, b)
+    full = b_model(net["src_tokens"], net["src_lengths"], net["prev_output_tokens"])  # (B, T, V)
+    keep = b["target"].ne(PAD)
+    loss_b, nll_b = label_smoothed_nll_loss(torch.log_softmax(full[keep], -1), b["target"][keep], 0.1)
+    loss_a.backward()
+    loss_b.backward()
+    assert torch.allclose(loss_a, loss_b, rtol=1e-5) and torch.allclose(log_a["nll_loss"], nll_b, rtol=1e-5)
+    for (name, pa), pb in zip(a_model.named_parameters(), b_model.parameters()):
+        assert torch.allclose(pa.grad, pb.grad, atol=1e-6), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocked_loss_matches_reference_across_blocks(monkeypatch, dtype):
+    """Rows split over several blocks (a tiny block size) give the reference loss and gradient."""
+    import attnmt.criterions as C
+
+    monkeypatch.setattr(C, "_BLOCK_ELEMENTS", 40)  # 40 logits per block and thread: 1-2 rows of 37
+    torch.manual_seed(5)
+    base = torch.randn(11, 37) * 3
+    target = torch.randint(2, 37, (11,))
+    logits = base.to(dtype).requires_grad_(True)
+    loss, nll = smoothed_cross_entropy(logits, target, PAD, 0.1)
+    (0.3 * loss).backward()
+    ref = base.to(dtype).float().requires_grad_(True)
+    lp = torch.log_softmax(ref.double(), -1)
+    ref_nll = -lp.gather(1, target[:, None]).sum()
+    ref_loss = 0.9 * ref_nll - 0.1 / 37 * lp.sum()
+    (0.3 * ref_loss).backward()
+    assert float(loss.detach()) == pytest.approx(float(ref_loss.detach()), rel=1e-5)
+    assert float(nll.detach()) == pytest.approx(float(ref_nll.detach()), rel=1e-5)
+    tol = 1e-6 if dtype == torch.float32 else 3e-3
+    assert torch.allclose(logits.grad.float(), ref.grad, atol=tol)
+
+
+@pytest.mark.precision
+@pytest.mark.parametrize("bf16", [False, True])
+def test_projected_loss_equals_projection_then_loss_with_nll_gradient(monkeypatch, bf16):
+    """The fused projection + loss gives the reference values and gradients, also for the NLL output and over
+    several row blocks."""
+    import attnmt.criterions as C
+
+    monkeypatch.setattr(C, "_PROJECTION_ELEMENTS", 97 * 300)  # row blocks of 300 (at least 256)
+    torch.manual_seed(7)
+    h = torch.randn(700, 32, requires_grad=True)
+    w = torch.randn(97, 32, requires_grad=True)
+    t = torch.randint(2, 97, (700,))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        loss, nll = C.projected_smoothed_cross_entropy(h, w, t, 0.1)
+    (0.5 * loss + 0.25 * nll).backward()
+    gh, gw = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        logits = h @ w.t()
+    lp = torch.log_softmax(logits.double(), -1)
+    ref_nll = -lp.gather(1, t[:, None]).sum()
+    ref_loss = 0.9 * ref_nll - 0.1 / 97 * lp.sum()
+    (0.5 * ref_loss + 0.25 * ref_nll).backward()
+    assert loss.dtype == torch.float32 and gh.dtype == h.dtype and gw.dtype == w.dtype
+    assert float(loss.detach()) == pytest.approx(float(ref_loss.detach()), rel=1e-5)
+    assert float(nll.detach()) == pytest.approx(float(ref_nll.detach()), rel=1e-5)
+    tol = 2e-2 if bf16 else 1e-5
+    assert torch.allclose(gh, h.grad, atol=tol * h.grad.abs().max())
+    assert torch.allclose(gw, w.grad, atol=tol * w.grad.abs().max())
+
+
+def test_projected_loss_without_gradients_keeps_nothing_large():
+    from attnmt.criterions import projected_smoothed_cross_entropy
+
+    torch.manual_seed(8)
+    h, w, t = torch.randn(50, 16), torch.randn(40, 16), torch.randint(0, 40, (50,))
+    with torch.no_grad():
+        loss, nll = projected_smoothed_cross_entropy(h, w, t, 0.1)
+    ref, ref_nll = smoothed_cross_entropy(h @ w.t(), t, -1, 0.1)
+    assert torch.allclose(loss, ref) and torch.allclose(nll, ref_nll)
