@@ -15,7 +15,9 @@ from attnmt.data.dictionary import Dictionary
 from attnmt.data.indexed import IndexedDataset
 from attnmt.data.subword import TextPipeline
 from attnmt.data.textio import scan
-from attnmt.preprocess import PreprocessConfig, _parts, _splits, preprocess
+from attnmt.preprocess import PreprocessConfig, preprocess
+from attnmt.preprocess.plan import plan_parts as _parts
+from attnmt.preprocess.plan import plan_splits as _splits
 
 EN_DE = {"man": "Mann", "woman": "Frau", "child": "Kind", "dog": "Hund", "cat": "Katze", "street": "Straße",
          "house": "Haus", "water": "Wasser", "ball": "Ball", "red": "rot", "blue": "blau", "green": "grün",

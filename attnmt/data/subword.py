@@ -13,12 +13,12 @@ and inference use, so a sentence typed at ``attnmt translate`` is segmented exac
 from __future__ import annotations
 
 import io
-import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from attnmt.data.meta import DataBinInfo
 from attnmt.errors import UserError
 from attnmt.fileio import atomic_open
 from attnmt.registry import get, register
@@ -271,22 +271,11 @@ class TextPipeline:
     @classmethod
     def from_data_dir(cls, data_dir: str | os.PathLike, lang: str) -> TextPipeline:
         """The pipeline ``attnmt preprocess`` used for language ``lang`` of ``data_dir`` (reads preprocess.json)."""
-        meta_path = Path(data_dir) / "preprocess.json"
-        try:
-            meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise UserError(f"{meta_path}: not found; point to a directory written by attnmt preprocess") from None
-        except json.JSONDecodeError as e:
-            raise UserError(f"{meta_path}:{e.lineno}: invalid JSON ({e.msg}); re-run attnmt preprocess") from None
-        return cls.from_meta(meta, lang, data_dir)
-
-    @classmethod
-    def from_meta(cls, meta: dict, lang: str, data_dir: str | os.PathLike) -> TextPipeline:
-        langs = meta["langs"]
-        if lang not in langs.values():
+        info = DataBinInfo.read(data_dir, required=True)
+        langs = [x for x in (info.source_lang, info.target_lang) if x]
+        if lang not in langs:
             raise UserError(f"{Path(data_dir) / 'preprocess.json'}: language '{lang}' was not preprocessed "
-                            f"(languages: {', '.join(langs.values())})")
-        bpe_cls = get("bpe", meta["bpe"]).obj
-        bpe = bpe_cls.load(Path(data_dir) / meta["bpe_model"]) if meta.get("bpe_model") else bpe_cls.load()
-        tokenizer = build_tokenizer(meta["tokenizer"], lang)
-        return cls(tokenizer, bpe, lowercase=bool(meta.get("lowercase", False)))
+                            f"(languages: {', '.join(langs)})")
+        bpe_cls = get("bpe", info.bpe or "none").obj
+        bpe = bpe_cls.load(Path(data_dir) / info.bpe_model) if info.bpe_model else bpe_cls.load()
+        return cls(build_tokenizer(info.tokenizer, lang), bpe, lowercase=info.lowercase)

@@ -9,7 +9,6 @@ so a checkpoint translates raw text without the data directory.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import torch
 
 from attnmt.checkpoint import DataSection
 from attnmt.config import fields_of
+from attnmt.data.meta import DataBinInfo
 from attnmt.data.pairs import LanguagePairDataset
 from attnmt.errors import UserError
 from attnmt.models.interface import EncoderDecoderModel, build_model
@@ -34,27 +34,6 @@ class TranslationConfig:
         "help": "split(s) to validate on, comma-separated; the first one decides the best checkpoint"})
 
 
-def _read_meta(data_bin: Path) -> dict:
-    p = data_bin / "preprocess.json"
-    if not p.exists():
-        return {}
-    try:
-        return json.loads(p.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{p}:{getattr(e, 'lineno', 1)}: not valid JSON ({e}); re-run attnmt preprocess") from None
-
-
-def _meta_get(meta: dict, *keys, default=None):
-    """First present key, looking in the top level and in the nested options/langs sections."""
-    for section in (meta, meta.get("options") or {}, meta.get("langs") or {}, meta.get("args") or {}):
-        if not isinstance(section, dict):
-            continue
-        for k in keys:
-            if k in section and section[k] is not None:
-                return section[k]
-    return default
-
-
 @register("task", "translation", config=TranslationConfig)
 class TranslationTask:
     """Sentence-level translation from a binarized parallel corpus (DATA_BIN written by attnmt preprocess)."""
@@ -66,7 +45,7 @@ class TranslationTask:
         self.data_bin = Path(data_bin)
         if not self.data_bin.is_dir():
             raise UserError(f"{data_bin}: no such data directory; pass the --destdir of attnmt preprocess")
-        self.meta = _read_meta(self.data_bin)
+        self.meta = DataBinInfo.read(self.data_bin)
         self.src_lang, self.tgt_lang = self._languages()
         paths = [self.data_bin / f"dict.{lang}.txt" for lang in (self.src_lang, self.tgt_lang)]
         for p in paths:
@@ -77,15 +56,15 @@ class TranslationTask:
         self.tgt_dict = Dictionary.load(paths[1])
         if (self.src_dict.pad(), self.src_dict.eos()) != (self.tgt_dict.pad(), self.tgt_dict.eos()):
             raise UserError(f"{paths[1]}: pad/eos ids differ from {paths[0]}; re-run attnmt preprocess")
-        joined = _meta_get(self.meta, "joined_dictionary", "joined")
-        self.joint_dictionary = bool(joined) if joined is not None else self.src_dict == self.tgt_dict
+        joined = self.meta.joined_dictionary
+        self.joint_dictionary = joined if joined is not None else self.src_dict == self.tgt_dict
         if self.joint_dictionary and self.src_dict != self.tgt_dict:
             raise UserError(f"{self.data_bin / 'preprocess.json'}: says the dictionary is joined but "
                             f"{paths[0].name} and {paths[1].name} differ; re-run attnmt preprocess")
 
     def _languages(self) -> tuple[str, str]:
-        src = self.cfg.source_lang or _meta_get(self.meta, "source_lang", "src", "source")
-        tgt = self.cfg.target_lang or _meta_get(self.meta, "target_lang", "tgt", "target")
+        src = self.cfg.source_lang or self.meta.source_lang
+        tgt = self.cfg.target_lang or self.meta.target_lang
         if src and tgt:
             return str(src), str(tgt)
         langs = sorted(p.name[len("dict."):-len(".txt")] for p in self.data_bin.glob("dict.*.txt"))
@@ -127,8 +106,8 @@ class TranslationTask:
 
     def data_state(self) -> DataSection:
         """The checkpoint's ``data`` section: what inference needs without DATA_BIN."""
-        spm = self.data_bin / str(_meta_get(self.meta, "bpe_model", default="spm.model"))
-        bpe = str(_meta_get(self.meta, "bpe", default="sentencepiece" if spm.exists() else "none"))
+        spm = self.data_bin / (self.meta.bpe_model or "spm.model")
+        bpe = self.meta.bpe or ("sentencepiece" if spm.exists() else "none")
         bpe_model = None
         if spm.exists():
             bpe_model = torch.frombuffer(bytearray(spm.read_bytes()), dtype=torch.uint8).clone()
@@ -136,8 +115,7 @@ class TranslationTask:
             source_lang=self.src_lang, target_lang=self.tgt_lang, joint_dictionary=bool(self.joint_dictionary),
             src_dict=self.src_dict.to_state(), tgt_dict=self.tgt_dict.to_state(),
             src_dict_sha256=self.src_dict.checksum(), tgt_dict_sha256=self.tgt_dict.checksum(),
-            bpe=bpe, bpe_model=bpe_model, tokenizer=str(_meta_get(self.meta, "tokenizer", default="none")),
-            lowercase=bool(_meta_get(self.meta, "lowercase", default=False)))
+            bpe=bpe, bpe_model=bpe_model, tokenizer=self.meta.tokenizer, lowercase=self.meta.lowercase)
 
     # ------------------------------------------------------------------------------------------------ model
 

@@ -1,0 +1,74 @@
+"""The options of ``attnmt preprocess`` and the constants of its output format."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from attnmt.errors import UserError
+
+FORMAT_VERSION = 1
+ENCODE_BATCH = 10_000
+MAX_PART_LINES = 100 * 1024  # bounds a worker's memory: a part's text and pieces are held in RAM
+# options that do not change the output (so they do not make a destdir "different")
+NEUTRAL_OPTIONS = ("destdir", "workers", "trainpref", "validpref", "testpref", "srcdict", "tgtdict", "spm_model")
+
+
+@dataclass
+class PreprocessConfig:
+    source_lang: str | None = field(default=None, metadata={"help": "source language suffix of the input files",
+                                                             "aliases": ("-s",)})
+    target_lang: str | None = field(default=None, metadata={"help": "target language suffix of the input files",
+                                                             "aliases": ("-t",)})
+    trainpref: str | None = field(default=None, metadata={
+        "help": "training files prefix: reads PREFIX.SRC and PREFIX.TGT (or PREFIX.LANG.gz)"})
+    validpref: str | None = field(default=None, metadata={
+        "help": "validation files prefix(es), comma-separated: splits valid, valid1, ..."})
+    testpref: str | None = field(default=None, metadata={
+        "help": "test files prefix(es), comma-separated: splits test, test1, ..."})
+    destdir: str = field(default="data-bin", metadata={"help": "output directory"})
+    workers: int = field(default=1, metadata={"help": "number of parallel processes"})
+    bpe: str = field(default="none", metadata={
+        "help": "subword model: sentencepiece (learn a joint BPE model) or none (text is already segmented)"})
+    vocab_size: int = field(default=8000, metadata={"help": "number of subword pieces to learn (--bpe sentencepiece)"})
+    bpe_max_sentences: int = field(default=1_000_000, metadata={
+        "help": "learn the subword model on at most this many sentences (a fixed-seed sample; 0 = all)"})
+    spm_model: str | None = field(default=None, metadata={
+        "help": "reuse this SentencePiece model instead of learning one (e.g. to binarize new test data)"})
+    tokenizer: str = field(default="none", metadata={"help": "word tokenizer applied before subwords: moses or none"})
+    lowercase: bool = field(default=False, metadata={"help": "lowercase the text (after tokenization)"})
+    joined_dictionary: bool = field(default=False, metadata={
+        "help": "one dictionary for both languages (needed to share embeddings)"})
+    srcdict: str | None = field(default=None, metadata={"help": "reuse this source dictionary"})
+    tgtdict: str | None = field(default=None, metadata={"help": "reuse this target dictionary"})
+    thresholdsrc: int = field(default=0, metadata={"help": "drop source symbols seen fewer times than this"})
+    thresholdtgt: int = field(default=0, metadata={"help": "drop target symbols seen fewer times than this"})
+    nwordssrc: int = field(default=-1, metadata={
+        "help": "source dictionary size, special symbols included (-1 = all)"})
+    nwordstgt: int = field(default=-1, metadata={
+        "help": "target dictionary size, special symbols included (-1 = all)"})
+    padding_factor: int = field(default=8, metadata={"help": "pad dictionary sizes to a multiple of this"})
+    max_len: int = field(default=1024, metadata={
+        "help": "skip training pairs with a side longer than this many tokens (end-of-sentence included)"})
+
+    def __post_init__(self) -> None:
+        if not self.source_lang or not self.target_lang:
+            raise UserError("give the languages with -s/--source-lang and -t/--target-lang (e.g. -s en -t de)")
+        if self.source_lang == self.target_lang:
+            raise UserError(f"source and target language are both '{self.source_lang}'; give two different "
+                            f"suffixes with -s and -t")
+        if not (self.trainpref or self.validpref or self.testpref):
+            raise UserError("nothing to preprocess; give --trainpref and/or --validpref/--testpref")
+        for name in ("workers", "vocab_size", "max_len", "padding_factor"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.bpe_max_sentences < 0:
+            raise UserError(f"--bpe-max-sentences must be >= 0 (0 = all), got {self.bpe_max_sentences}")
+        if self.spm_model and self.bpe != "sentencepiece":
+            raise UserError("--spm-model needs --bpe sentencepiece")
+        if not self.trainpref:
+            if not (self.srcdict and (self.tgtdict or self.joined_dictionary)):
+                raise UserError("without --trainpref there is nothing to build dictionaries from; pass --srcdict "
+                                "and --tgtdict (or --srcdict with --joined-dictionary) of an earlier preprocessing")
+            if self.bpe == "sentencepiece" and not self.spm_model:
+                raise UserError("without --trainpref there is nothing to learn SentencePiece from; pass the "
+                                "--spm-model of an earlier preprocessing")

@@ -1,0 +1,73 @@
+"""The process pool that runs the jobs: ordered results, clean shutdown on errors and signals."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+# ---------------------------------------------------------------------------------------------------- running
+
+
+class Runner:
+    """Runs a list of jobs in order-preserving fashion, in a process pool or (one worker) in this process."""
+
+    def __init__(self, workers: int):
+        self.workers = workers
+        self.pool = None
+        if workers > 1:
+            # fork: workers inherit the loaded modules and registered plugins, and nothing re-imports __main__
+            method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+            self.pool = mp.get_context(method).Pool(workers, initializer=_worker_init)
+
+    def map(self, fn: Callable, jobs: list, progress: Callable[[Any], None] | None = None) -> list:
+        if self.pool is None:
+            results = []
+            for job in jobs:
+                results.append(fn(job))
+                if progress:
+                    progress(job)
+            return results
+        results = [None] * len(jobs)
+        for i, r in self.pool.imap_unordered(_indexed_call, [(fn, i, j) for i, j in enumerate(jobs)]):
+            results[i] = r
+            if progress:
+                progress(jobs[i])
+        return results
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+            self.pool = None
+
+
+def _worker_init() -> None:
+    # Ctrl-C and kill reach the main process, which ends the pool; workers just die when told to
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def terminate_unwinds():
+    """SIGTERM (a scheduler's kill, ``timeout``) unwinds like Ctrl-C, so the temp directory is removed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _indexed_call(arg):
+    fn, i, job = arg
+    return i, fn(job)
