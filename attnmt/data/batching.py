@@ -56,14 +56,16 @@ def filter_by_size(indices: np.ndarray, src_sizes: np.ndarray, tgt_sizes: np.nda
 
 
 def batch_by_size(indices: np.ndarray, num_tokens: np.ndarray, max_tokens: int | None,
-                  max_sentences: int | None = None, required_multiple: int = 1) -> list[np.ndarray]:
+                  max_sentences: int | None = None, required_multiple: int = 1,
+                  oversized_alone: bool = False) -> list[np.ndarray]:
     """Cut ``indices`` (already in length order) into consecutive batches.
 
     A batch of n sentences whose longest one costs L tokens (``num_tokens[i]`` = max of source and target length)
     costs n * L padded tokens; it never exceeds ``max_tokens`` and never holds more than ``max_sentences``. When a
     batch is closed because it is full and holds more than ``required_multiple`` sentences, its size is rounded
     down to a multiple of ``required_multiple`` (friendlier GEMM shapes); the rest opens the next batch.
-    Every index ends up in exactly one batch; one sentence longer than ``max_tokens`` must be filtered first.
+    Every index ends up in exactly one batch; one sentence longer than ``max_tokens`` must be filtered first, or
+    with ``oversized_alone`` gets a batch of its own (translation, which refuses no input).
     """
     indices = np.asarray(indices, dtype=np.int64)
     if max_tokens is None and max_sentences is None:
@@ -78,7 +80,7 @@ def batch_by_size(indices: np.ndarray, num_tokens: np.ndarray, max_tokens: int |
     cur_costs: list[int] = []
     longest = 0
     for i, c in zip(idx, costs):
-        if c > max_tokens:
+        if c > max_tokens and not oversized_alone:
             raise ValueError(f"sentence {i} costs {c} tokens > max_tokens {max_tokens}; filter it first")
         new_longest = max(longest, c)
         if cur and ((len(cur) + 1) * new_longest > max_tokens or len(cur) + 1 > max_sentences):

@@ -80,20 +80,25 @@ def _round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple if multiple > 1 else n
 
 
+def pad_sequences(seqs: Sequence[Sequence[int]], pad: int, pad_to_multiple: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Right-padded (n, L) int64 tokens and their (n,) lengths; L is the longest length rounded up to a multiple of
+    ``pad_to_multiple``."""
+    n = len(seqs)
+    lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=n)
+    out = np.full((n, _round_up(int(lengths.max(initial=0)), pad_to_multiple)), pad, dtype=np.int64)
+    for row, s in enumerate(seqs):
+        out[row, : len(s)] = s
+    return out, lengths
+
+
 def collate_pairs(srcs: list[np.ndarray], tgts: list[np.ndarray], ids: np.ndarray, pad: int, eos: int,
                   pad_to_multiple: int = 1) -> dict:
     """Pad source and target arrays into a batch; ``prev_output_tokens`` is the target shifted right behind EOS."""
     n = len(srcs)
-    src_lens = np.fromiter((len(s) for s in srcs), dtype=np.int64, count=n)
-    tgt_lens = np.fromiter((len(t) for t in tgts), dtype=np.int64, count=n)
-    S = _round_up(int(src_lens.max(initial=0)), pad_to_multiple)
-    T = _round_up(int(tgt_lens.max(initial=0)), pad_to_multiple)
-    src = np.full((n, S), pad, dtype=np.int64)
-    tgt = np.full((n, T), pad, dtype=np.int64)
-    prev = np.full((n, T), pad, dtype=np.int64)
-    for row, (s, t) in enumerate(zip(srcs, tgts)):
-        src[row, : len(s)] = s
-        tgt[row, : len(t)] = t
+    src, src_lens = pad_sequences(srcs, pad, pad_to_multiple)
+    tgt, tgt_lens = pad_sequences(tgts, pad, pad_to_multiple)
+    prev = np.full(tgt.shape, pad, dtype=np.int64)
+    for row, t in enumerate(tgts):
         if len(t):
             prev[row, 0] = eos
             prev[row, 1: len(t)] = t[:-1]

@@ -15,10 +15,13 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
 import torch
 
 from attnmt.backends import backend_for
 from attnmt.backends.precision import requested_precision
+from attnmt.data.batching import batch_by_size
+from attnmt.data.pairs import pad_sequences
 from attnmt.errors import UserError
 from attnmt.generation.search import Hypothesis, SearchConfig, Symbols, search
 
@@ -66,30 +69,16 @@ def make_batches(lengths: Sequence[int], max_tokens: int | None, batch_size: int
     ``max_tokens`` (a longer single sentence still gets a batch of its own) and ``batch_size``.
     """
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    batches: list[list[int]] = []
-    cur: list[int] = []
-    longest = 0
-    for i in order:
-        n_len = max(longest, lengths[i])
-        too_many = batch_size is not None and len(cur) + 1 > batch_size
-        too_long = max_tokens is not None and (len(cur) + 1) * n_len > max_tokens
-        if cur and (too_many or too_long):
-            batches.append(cur)
-            cur, n_len = [], lengths[i]
-        cur.append(i)
-        longest = n_len
-    if cur:
-        batches.append(cur)
-    return batches
+    if max_tokens is None and batch_size is None:
+        return [order] if order else []
+    return [b.tolist() for b in batch_by_size(np.asarray(order, dtype=np.int64), np.asarray(lengths, dtype=np.int64),
+                                              max_tokens, batch_size, oversized_alone=True)]
 
 
 def collate(sources: Sequence[Sequence[int]], pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded (B, S) tokens and (B,) lengths."""
-    lengths = torch.tensor([len(s) for s in sources], dtype=torch.long)
-    tokens = torch.full((len(sources), int(lengths.max())), pad, dtype=torch.long)
-    for row, s in enumerate(sources):
-        tokens[row, : len(s)] = torch.as_tensor(s, dtype=torch.long)
-    return tokens.to(device), lengths.to(device)
+    tokens, lengths = pad_sequences(sources, pad)
+    return torch.from_numpy(tokens).to(device), torch.from_numpy(lengths).to(device)
 
 
 @dataclass

@@ -334,10 +334,7 @@ class MultiHeadAttention(AttentionKernel, nn.Module):
         is for analysis only (attention heat maps), where ``combine_heads(weights @ V)`` reproduces ``attend``
         without dropout.
         """
-        scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.size(-1))  # (B, H, T, S)
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        return torch.softmax(scores, dim=-1)
+        return torch.softmax(attention_scores(q, k, mask, False), dim=-1)
 
     def forward(self, x: Tensor, mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
         """Self-attention of ``x`` (B, T, D) without a cache."""
@@ -351,15 +348,21 @@ def plain_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_cau
     ``mask`` (broadcastable to (B, H, T, S), True = attend) or ``is_causal`` as in SDPA; ``dropout_p`` drops
     attention weights. Under bf16 the products accumulate in fp32 and softmax computes in fp32 internally.
     """
+    weights = torch.softmax(attention_scores(q, k, mask, is_causal), dim=-1)
+    return torch.matmul(dropout_weights(weights, dropout_p, dropout_p > 0.0), v)
+
+
+def attention_scores(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
+    """Q K^T / sqrt(d_k) (B, H, T, S), masked positions (``mask`` False, or after the query with ``is_causal``,
+    top-left aligned as in SDPA) set to -inf."""
     scores = torch.matmul(q, k.transpose(-2, -1))  # (B, H, T, S)
     scores.mul_(1.0 / math.sqrt(q.size(-1)))
     if is_causal:
         T, S = scores.shape[-2:]
-        mask = torch.ones(T, S, dtype=torch.bool, device=scores.device).tril_()  # as SDPA: top-left aligned
+        mask = torch.ones(T, S, dtype=torch.bool, device=scores.device).tril_()
     if mask is not None:
         scores.masked_fill_(~mask, float("-inf"))
-    weights = dropout_weights(torch.softmax(scores, dim=-1), dropout_p, dropout_p > 0.0)
-    return torch.matmul(weights, v)
+    return scores
 
 
 # ------------------------------------------------------------------------ 3.3 position-wise feed-forward
