@@ -72,8 +72,7 @@ class CpuCapabilities:
     @property
     def onednn_fp32(self) -> bool:
         """fp32 linear layers run faster through oneDNN than through MKL: on CPUs not made by Intel, where MKL
-        keeps to its AVX2 code (CTranslate2 makes the same choice). Measured on an AMD EPYC (Zen 5, 2 threads,
-        (4032 x 512) x (512 x 2048)): 20 ms instead of 44 ms for linear + ReLU; capped at AVX2, 37 ms.
+        keeps to its AVX2 code (CTranslate2 makes the same choice) (benchmarks/kernel_choices.py; figures per CPU in docs/results.md).
         ``ATTNMT_CPU_ONEDNN_FP32=0|1`` overrides the choice."""
         if self.onednn_fp32_choice in ("0", "1"):
             return self.onednn and self.onednn_fp32_choice == "1"

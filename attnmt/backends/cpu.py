@@ -7,12 +7,11 @@ What it decides, once per run (see ``capabilities.py`` for how the CPU is detect
   casts the model once and packs its weights (:class:`~attnmt.backends.onednn.PackedLinear`); ``--quantize int8``
   swaps them for dynamic int8 layers (:class:`Int8Linear`). fp32 runs its linear layers through oneDNN as
   well (fused bias + ReLU, backward products in oneDNN, prepacked weights for inference) on CPUs not made by
-  Intel, where MKL keeps to AVX2 and oneDNN was up to 2x faster (``capabilities.CpuCapabilities.onednn_fp32``;
+  Intel, where MKL keeps to AVX2 and oneDNN's AVX-512 kernels win (``capabilities.CpuCapabilities.onednn_fp32``;
   ``ATTNMT_CPU_ONEDNN_FP32=0|1`` overrides); elsewhere fp32 keeps the plain layers (MKL).
 * **Attention.** For sentence-length sequences the plain matmul-softmax-matmul is faster on the CPU than PyTorch's
-  fused "flash" kernel (measured with torch 2.13, bf16, causal, forward + backward, 4096 tokens per batch: flash
-  3.4x slower at 32 tokens, 2.3x at 128, 1.2x at 256, equal near 384, faster from 512 on): "auto" runs the
-  plain form up to :data:`PLAIN_ATTENTION_MAX_LEN` tokens.
+  fused "flash" kernel, whose advantage starts at several hundred tokens (benchmarks/kernel_choices.py; figures per CPU in docs/results.md): "auto" runs the plain form up
+  to :data:`PLAIN_ATTENTION_MAX_LEN` tokens.
 * **Decoder row counts.** oneDNN compiles a kernel, and keeps it with its buffers, for every matrix shape it
   meets; as sentences leave a batch the decoder's row count changes almost every step. :meth:`row_bucket`
   pads them to a few sizes (:func:`padded_rows`).
@@ -21,13 +20,10 @@ What it decides, once per run (see ``capabilities.py`` for how the CPU is detect
   - *Page faults on fresh memory.* glibc's ``malloc`` serves large blocks with ``mmap`` and gives them back on
     ``free``; every training step (and every decoding step) allocates the same temporaries again, and each new
     page costs a kernel page fault plus zeroing. Training keeps all freed memory in the heap (``M_MMAP_MAX`` 0,
-    no trimming): about a third of a bf16 step of the small Transformer. Translation fixes the mmap threshold at
-    32 MiB and the trim threshold at 1 GiB: a seventh of a bf16 beam search's CPU time went to the kernel. The
-    price: the process keeps its peak heap until it exits. ``ATTNMT_CPU_MALLOC=default`` leaves ``malloc`` alone.
+    no trimming). Translation fixes the mmap threshold at 32 MiB and the trim threshold at 1 GiB. The price: the process keeps its peak heap until it exits. ``ATTNMT_CPU_MALLOC=default`` leaves ``malloc`` alone.
   - *oneDNN kernel generation.* oneDNN keeps the last ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` (default 1024)
     kernels; an epoch of Multi30k at 4096 tokens makes about 2,600 shapes, so the cache thrashed and kernels
-    were generated again every epoch (about 3 ms each; a bf16 step on new shapes took ~35% longer). Training
-    raises it to 4096 unless the user set it (about 0.5 MB a kernel). oneDNN reads it when it first builds a
+    were generated again every epoch. Training raises it to 4096 unless the user set it (about 0.5 MB a kernel). oneDNN reads it when it first builds a
     kernel, so the command sets it before any product runs.
 """
 
@@ -58,8 +54,8 @@ _configured: set[str] = set()
 def padded_rows(n: int) -> int:
     """``n`` rounded up to one of eight sizes per power of two (a multiple of 8 at least).
 
-    Building a oneDNN kernel cost about 0.7 ms and 0.7 MB (a tenth of the decoding time, hundreds of MB of memory
-    without padding); rows padded to these sizes (at most 1/8 more work) keep the set of shapes small and reused.
+    oneDNN builds (and keeps) a kernel per shape; rows padded to these sizes (at most 1/8 more work) keep the set
+    of shapes small and reused.
     """
     step = max(8, 1 << max(0, n.bit_length() - 4))
     return -(-n // step) * step

@@ -9,9 +9,8 @@ a swapped model saves and loads the same state dict and the optimizer keeps its 
 ``nn.Linear`` on the CPU runs ``addmm``: it first copies the bias into every row of the output, then accumulates
 the product onto it (one more write and read of the whole output), and a following ReLU is another pass.
 oneDNN's inner product adds the bias and applies the ReLU while each output tile is still in registers; PyTorch
-exposes it as ``torch.ops.mkldnn._linear_pointwise`` (the kernel its compiler emits for CPU linear layers). On a
-(4032 x 512) x (512 x 2048) bf16 product that was 6.6 ms instead of 9.8 ms for linear + relu (AMX); a training
-step of the base Transformer got 8% faster. The outputs are bitwise those of ``nn.Linear`` under autocast. The
+exposes it as ``torch.ops.mkldnn._linear_pointwise`` (the kernel its compiler emits for CPU linear layers), and
+it is the faster of the two on the model's shapes (benchmarks/kernel_choices.py; figures per CPU in docs/results.md). The outputs are bitwise those of ``nn.Linear`` under autocast. The
 backward pass is autograd's (the ReLU mask from the saved output, then the input, weight and bias gradients),
 except that the weight gradient's product is laid out the way oneDNN runs fastest (:func:`_weight_grad`), which
 can change its rounding but not its value.
@@ -65,7 +64,7 @@ class _LinearPointwise(torch.autograd.Function):
                 gw = _product(g.t(), x2.t())
             elif w.dtype == torch.bfloat16:
                 gw = _weight_grad(g, x2)
-            else:  # fp32 in MKL, which takes the transposed operand as it is (~10% faster than copying it)
+            else:  # fp32 in MKL, which takes the transposed operand as it is (no copy)
                 gw = torch.mm(g.t(), x2)
             grad_w = gw.to(w_dtype)
         if b_dtype is not None and ctx.needs_input_grad[2]:
@@ -75,7 +74,7 @@ class _LinearPointwise(torch.autograd.Function):
 
 def _weight_grad(g: Tensor, x: Tensor) -> Tensor:
     """``g^T x`` for g (M, N) and x (M, K): oneDNN runs this fastest with the narrower operand transposed into a
-    contiguous copy first (measured on M ~ 3700 rows: 25% faster for N = 4K, 30% for K = 4N; N = K as is)."""
+    contiguous copy first when one side is much larger than the other (N = 4K or K = 4N; N = K as is)."""
     n, k = g.size(1), x.size(1)
     if n > k:
         return torch.mm(x.t().contiguous(), g).t()
@@ -111,8 +110,8 @@ class PackedLinear(nn.Module):
     oneDNN outruns MKL).
 
     ``nn.Linear`` repacks its weight for every product; a decoding step is dozens of small products (a few
-    hundred rows), for which that packing is a large share: with the weight packed once, oneDNN's inner product
-    was 10-45% faster on the decoder's shapes (AMX), with bitwise the same results. ``weight`` and ``bias`` stay as
+    hundred rows), for which that packing is a large share: packed once, with bitwise the same results
+    (benchmarks/kernel_choices.py; figures per CPU in docs/results.md). ``weight`` and ``bias`` stay as
     they were. ``relu=True`` applies the ReLU inside the product (the feed-forward's first layer).
     """
 

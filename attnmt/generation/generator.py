@@ -101,9 +101,9 @@ class GenerationStats:
 def _gc_paused():
     """No cyclic garbage collection during a search.
 
-    A decoder step creates a few hundred short-lived tensors; the collector, triggered by those allocations,
-    kept walking the whole heap (the model's modules included) for about a twentieth of the search time. The
-    search creates no reference cycles, so nothing is left for the collector when it resumes.
+    A decoder step creates a few hundred short-lived objects; the collector, triggered by those allocations,
+    would walk the whole heap (the model's modules included) again and again. The search creates no reference
+    cycles, so nothing is left for the collector when it resumes.
     """
     if not gc.isenabled():
         yield

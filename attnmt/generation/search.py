@@ -213,7 +213,7 @@ SCORE_BLOCK_ROWS = 256  # rows projected to the vocabulary at a time (see next_t
 def _block_maxima(x: Tensor, n: int, nonpositive: bool) -> Tensor:
     """Maxima of ``n`` equal blocks of each row of ``x`` (R, n * c) -> (R, n).
 
-    PyTorch reduces bf16 through float conversions, twice as slow as this: for values <= 0 (log-probabilities),
+    PyTorch reduces bf16 through float conversions, slower than this (benchmarks/kernel_choices.py; figures per CPU in docs/results.md): for values <= 0 (log-probabilities),
     the bf16 bit pattern read as an integer, sign bit cleared, orders them by magnitude, so the block maximum is
     the block's smallest such integer with the sign bit put back (exact, -inf and -0 included).
     """

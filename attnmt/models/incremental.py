@@ -50,8 +50,8 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:
     """softmax(Q K^T / sqrt(d) + bias) V in the dtype of the inputs; ``bias`` is 0 or -inf (masked).
 
     The plain matmul-softmax-matmul, not ``scaled_dot_product_attention``: a decoding step is thousands of tiny
-    (beam x keys) products, where SDPA's blocked kernel spends most of its time packing operands; this form
-    was about twice as fast for bf16 and no slower for float32.
+    (beam x keys) products, where SDPA's blocked kernel spends most of its time packing operands
+    (benchmarks/kernel_choices.py; figures per CPU in docs/results.md).
     """
     s = torch.matmul(q, k.transpose(-1, -2)).mul_(q.size(-1) ** -0.5)  # (N, H, M, L)
     if bias is not None:

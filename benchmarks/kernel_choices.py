@@ -1,0 +1,124 @@
+"""The measurements behind the CPU backend's kernel choices, on this machine (medians of repeated runs, in ms).
+
+    python benchmarks/kernel_choices.py [--threads 2] [--only linear,attention,cache,blockmax]
+
+* linear:    nn.Linear + ReLU against oneDNN's inner product with bias and ReLU fused, with the weight packed
+             once (PackedLinear) and not; fp32, and bf16 where the CPU runs it natively (backends/onednn.py,
+             capabilities.onednn_fp32).
+* attention: the plain matmul-softmax-matmul against SDPA's fused kernel, causal, forward + backward, 4096
+             tokens per batch, by sequence length (backends/cpu.py PLAIN_ATTENTION_MAX_LEN).
+* cache:     one decoder step's attention over a beam cache: the plain form against SDPA (models/incremental.py).
+* blockmax:  the maxima of 64-token blocks of bf16 log-probabilities: ``amax`` against the integer scan on the
+             bit patterns (generation/search.py ``_block_maxima``).
+
+Numbers depend on the CPU (say which: ``lscpu``) and the torch version; docs/results.md keeps those measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def timed(fn, repeat: int = 20, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
+
+
+def linear(native_bf16: bool) -> None:
+    from attnmt.backends.onednn import PackedLinear
+
+    m, k, n = 4032, 512, 2048
+    for dtype in [torch.float32] + ([torch.bfloat16] if native_bf16 else []):
+        x = torch.randn(m, k, dtype=dtype)
+        lin = torch.nn.Linear(k, n).to(dtype)
+        packed = PackedLinear(lin)
+        w, b = lin.weight.detach(), lin.bias.detach()
+        with torch.no_grad():
+            plain = timed(lambda x=x, lin=lin: F.relu(lin(x)))
+            fused = timed(lambda x=x, w=w, b=b: torch.ops.mkldnn._linear_pointwise(x, w, b, "relu", [], ""))
+            pk = timed(lambda x=x, packed=packed: packed(x, relu=True))
+        print(f"linear {str(dtype)[6:]:8s} ({m}x{k})x({k}x{n}) + relu: nn.Linear {plain:.2f} ms, oneDNN fused "
+              f"{fused:.2f} ms, packed weight {pk:.2f} ms")
+
+
+def attention(dtype: torch.dtype) -> None:
+    from attnmt.models.transformer import plain_attention
+
+    for length in (32, 128, 256, 384, 512):
+        batch = max(1, 4096 // length)
+        q, k, v = (torch.randn(batch, 8, length, 64, dtype=dtype, requires_grad=True) for _ in range(3))
+
+        def run(fn):
+            def step():
+                out = fn()
+                out.sum().backward()
+            return timed(step, repeat=5, warmup=2)
+
+        plain = run(lambda q=q, k=k, v=v: plain_attention(q, k, v, None, True, 0.0))
+        sdpa = run(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        print(f"attention {str(dtype)[6:]} causal fwd+bwd, {batch} x {length} tokens: plain {plain:.1f} ms, "
+              f"SDPA {sdpa:.1f} ms ({sdpa / plain:.2f}x)")
+
+
+def cache(dtype: torch.dtype) -> None:
+    from attnmt.models.incremental import _attend
+
+    n, h, beam, length, dh = 64, 4, 4, 24, 64
+    q = torch.randn(n, h, beam, dh, dtype=dtype)
+    k, v = (torch.randn(n, h, length * beam, dh, dtype=dtype) for _ in range(2))
+    bias = torch.zeros(n, 1, beam, length * beam, dtype=dtype)
+    with torch.no_grad():
+        plain = timed(lambda: _attend(q, k, v, bias), repeat=50)
+        sdpa = timed(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias), repeat=50)
+    print(f"cache attention {str(dtype)[6:]} ({n} sentences x beam {beam}, {length * beam} slots): plain "
+          f"{plain:.3f} ms, SDPA {sdpa:.3f} ms ({sdpa / plain:.2f}x)")
+
+
+def blockmax() -> None:
+    from attnmt.generation.search import _block_maxima
+
+    x = torch.log_softmax(torch.randn(1024, 9664), -1).to(torch.bfloat16)
+    n = 9664 // 64
+    ref = timed(lambda: x.unflatten(1, (n, -1)).amax(dim=2), repeat=30)
+    ours = timed(lambda: _block_maxima(x, n, True), repeat=30)
+    assert torch.equal(_block_maxima(x, n, True), x.unflatten(1, (n, -1)).amax(dim=2))
+    print(f"block maxima bf16 (1024 x 9664, blocks of 64): amax {ref:.3f} ms, bit-pattern scan {ours:.3f} ms "
+          f"({ref / ours:.2f}x)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--only", default="linear,attention,cache,blockmax")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    from attnmt.backends import cpu
+
+    caps = cpu()
+    print(f"CPU: {caps.describe()}; torch {torch.__version__}, {args.threads} threads")
+    dtype = torch.bfloat16 if caps.native_bf16 else torch.float32
+    only = set(args.only.split(","))
+    if "linear" in only:
+        linear(caps.native_bf16)
+    if "attention" in only:
+        attention(dtype)
+    if "cache" in only:
+        cache(dtype)
+    if "blockmax" in only:
+        blockmax()
+
+
+if __name__ == "__main__":
+    main()
