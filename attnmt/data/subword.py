@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import os
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,6 +78,43 @@ def build_tokenizer(name: str, lang: str):
 # ----------------------------------------------------------------------------------------------- BPE
 
 
+class SubwordModel(ABC):
+    """What a registered ``bpe`` provides (preprocess learns or loads it; checkpoints store its bytes)."""
+
+    @classmethod
+    @abstractmethod
+    def train(cls, files: list[str], vocab_size: int, model_path_prefix: str, max_sentences: int = 1_000_000,
+              cfg: object = None) -> SubwordModel:
+        """Learn a model of ``vocab_size`` pieces from the text ``files``."""
+
+    @classmethod
+    @abstractmethod
+    def load(cls, model_path: str | os.PathLike) -> SubwordModel: ...
+
+    @classmethod
+    @abstractmethod
+    def from_bytes(cls, data: bytes, what: str = "subword model") -> SubwordModel: ...
+
+    @abstractmethod
+    def encode(self, text: str) -> str:
+        """Text -> space-separated pieces."""
+
+    @abstractmethod
+    def encode_batch(self, lines: list[str], num_threads: int = -1) -> list[str]: ...
+
+    @abstractmethod
+    def decode(self, pieces: str) -> str:
+        """Space-separated pieces -> text."""
+
+    @abstractmethod
+    def model_bytes(self) -> bytes:
+        """The model file's bytes (empty: nothing to store)."""
+
+    def describe(self) -> dict:
+        """What preprocess.json records about the model."""
+        return {}
+
+
 @dataclass
 class SentencePieceConfig:
     vocab_size: int = field(default=8000, metadata={"help": "number of SentencePiece pieces to learn"})
@@ -91,7 +129,7 @@ class SentencePieceConfig:
 
 
 @register("bpe", "sentencepiece", config=SentencePieceConfig)
-class SentencePieceBPE:
+class SentencePieceBPE(SubwordModel):
     """Joint SentencePiece BPE model (model_type=bpe), deterministic training."""
 
     def __init__(self, processor, model_bytes: bytes):
@@ -178,6 +216,13 @@ class SentencePieceBPE:
     def piece_size(self) -> int:
         return self._sp.get_piece_size()
 
+    def describe(self) -> dict:
+        """What preprocess.json records about the model: its size and the sentences it was learned from."""
+        info: dict = {"pieces": self.piece_size()}
+        if self.training_sentences is not None:
+            info["sentences_used"] = self.training_sentences
+        return info
+
     def pieces(self) -> list[str]:
         return [self._sp.id_to_piece(i) for i in range(self._sp.get_piece_size())]
 
@@ -211,7 +256,7 @@ class NoBPEConfig:
 
 
 @register("bpe", "none", config=NoBPEConfig)
-class NoBPE:
+class NoBPE(SubwordModel):
     """No subword model: the text is already segmented; pieces are its whitespace-separated tokens."""
 
     @classmethod

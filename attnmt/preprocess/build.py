@@ -127,7 +127,6 @@ def _build(cfg: PreprocessConfig, splits: list[Split], scans: dict[str, ScanResu
         bpe = bpe_cls.train(files, cfg.vocab_size, str(work / "bpe"), cfg.bpe_max_sentences)
         stage()
         stage.done()
-        bpe_info["sentences_used"] = getattr(bpe, "training_sentences", None)
     else:
         bpe = bpe_cls.load()
     if bpe.model_bytes():
@@ -136,8 +135,7 @@ def _build(cfg: PreprocessConfig, splits: list[Split], scans: dict[str, ScanResu
             f.write(bpe.model_bytes())
         model_file = str(tmp / name)
         bpe_info.update(model=name, model_sha256=hashlib.sha256(bpe.model_bytes()).hexdigest())
-        if hasattr(bpe, "piece_size"):
-            bpe_info["pieces"] = bpe.piece_size()
+        bpe_info.update(bpe.describe())
 
     # ---- pieces
     enc_jobs = []

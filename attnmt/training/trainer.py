@@ -60,6 +60,7 @@ class Trainer:
                  ddp_model: torch.nn.Module | None = None):
         self.backend = backend_for(device, precision)  # refuses fp16 without CUDA
         self.model = model
+        self.ddp_model = ddp_model
         self.train_model = ddp_model if ddp_model is not None else model  # what forward/backward run through
         self.criterion = criterion
         self.optimizer = optimizer
@@ -90,8 +91,8 @@ class Trainer:
 
     def _no_sync(self, last: bool):
         """Skip DDP's gradient all-reduce on all but the last micro-batch of an update."""
-        if not last and hasattr(self.train_model, "no_sync"):
-            return self.train_model.no_sync()
+        if not last and self.ddp_model is not None:
+            return self.ddp_model.no_sync()
         return contextlib.nullcontext()
 
     # ----------------------------------------------------------------------------------------------- steps
