@@ -275,18 +275,22 @@ def next_token_extensions(model, tokens: Tensor, step: int, enc, cache, max_len:
     log-probabilities per step, memory that is mapped afresh and zeroed by the kernel at every step; small
     blocks are reused and stay in cache. Each sentence's numbers are the same either way.
     """
-    prev = tokens[:, step:step + 1]
-    feats = model.decode_features(prev, enc, cache)[:, -1]  # (R, D)
-    rows = max(1, SCORE_BLOCK_ROWS // beam) * beam
+    per = 1 if step == 0 else beam  # the first step decodes one row per sentence: its hypotheses start alike
+    prev = tokens[::beam // per, step:step + 1]
+    feats = model.decode_features(prev, enc, cache)[:, -1]  # (R or A, D)
+    rows = max(1, SCORE_BLOCK_ROWS // beam) * per
     parts = []
     for a in range(0, feats.size(0), rows):
         b = min(a + rows, feats.size(0))
         block = feats[a:b]
         if b - a < rows and row_bucket is not None:  # the last block: the backend's row counts only
             block = torch.cat([block, block.new_zeros(row_bucket(b - a) - (b - a), block.size(1))])
-        lprobs = step_log_probs(model.output_layer(block)[: b - a], step, max_len[a:b], tokens[a:b, 1:step + 1],
-                                cfg, sym, keep_bf16=True)
-        parts.append(best_extensions(lprobs, scores[a:b], beam, cfg.unkpen >= 0))
+        lo, hi, every = a * beam // per, b * beam // per, beam // per  # the block's rows of the full arrays
+        lprobs = step_log_probs(model.output_layer(block)[: b - a], step, max_len[lo:hi:every],
+                                tokens[lo:hi:every, 1:step + 1], cfg, sym, keep_bf16=True)
+        if per != beam:
+            lprobs = lprobs.repeat_interleave(beam // per, dim=0)
+        parts.append(best_extensions(lprobs, scores[lo:hi], beam, cfg.unkpen >= 0))
     if len(parts) == 1:
         return parts[0]
     return tuple(torch.cat(p) for p in zip(*parts))

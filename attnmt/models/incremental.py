@@ -13,7 +13,10 @@ as well, at every step. This cache avoids both:
   The cache remembers, per row and position, which of the sentence's rows holds the row's ancestor
   (``ancestors``, (R, capacity)); a row's queries attend to all slots of its sentence under a mask that keeps
   exactly its own history. Reordering the beams only reorders ``ancestors`` (a few integers per row); the
-  attention costs ``beam`` times more multiply-adds, which is small next to the projections.
+  attention costs ``beam`` times more multiply-adds, which is small next to the projections. The buffers hold
+  the written positions rounded up to ``CAPACITY_STEP`` (growing copies them every few steps), so that the
+  queries never read many unwritten slots. The first step, where every hypothesis of a sentence has the same
+  prefix, runs one row per sentence, and its keys/values serve all the sentence's rows.
 * **Finished sentences are dropped lazily.** When sentences leave the batch, the remaining ones are recorded in
   ``live``: the decoder runs only on their rows, and their queries are scattered into the buffers' batch for
   the two attentions (the dead sentences' attention outputs are computed and discarded). The buffers are
@@ -35,8 +38,7 @@ from attnmt.models.interface import DecoderCache, LayerCache, RowBucket
 
 # compact the buffers once the live sentences are at most this fraction of the buffered ones
 COMPACT_FRACTION = 0.5
-INITIAL_CAPACITY = 16  # positions in the self-attention buffers at first
-CAPACITY_STEP = 8  # when full, they grow to hold at least this many more
+CAPACITY_STEP = 4  # the self-attention buffers hold the written positions rounded up to a multiple of this
 
 
 def _pad(x: Tensor, rows: int) -> Tensor:
@@ -81,20 +83,20 @@ class SlotLayerCache(LayerCache):
     def self_attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Store this call's keys/values (R, H, T, Dh) and attend; returns the heads concatenated, (R, T, H * Dh).
 
-        The queries attend to the whole buffer, unwritten slots masked: a slice of it would not be one dense
-        block per (sentence, head), which the batched matmul needs, and would be copied at every step.
+        The queries attend to the whole buffer, the unwritten slots (fewer than ``CAPACITY_STEP`` positions)
+        masked: a slice of it would not be one dense block per (sentence, head), which the batched matmul needs.
         """
         c = self.owner
         padded = q.size(0)
-        R, K = c.rows, c.beam  # the real rows come first
+        R, K, kc = c.rows, c.beam, c.call_beam  # the real rows come first; kc rows per sentence in this call
         q, k, v = q[:R], k[:R], v[:R]
         _, H, T, Dh = q.shape
-        A = R // K
+        A = R // kc
         end = c.length + T
         self._ensure_capacity(H, Dh, q)
         for buf, new in ((self.k, k), (self.v, v)):
-            dst = buf.view(c.buffered, H, c.capacity, K, Dh)[:, :, c.length:end]  # (N, H, T, beam, Dh)
-            src = new.view(A, K, H, T, Dh).permute(0, 2, 3, 1, 4)  # (A, H, T, beam, Dh)
+            dst = buf.view(c.buffered, H, c.capacity, K, Dh)[:, :, c.length:end, :kc]  # (N, H, T, kc, Dh)
+            src = new.view(A, kc, H, T, Dh).permute(0, 2, 3, 1, 4)  # (A, H, T, kc, Dh)
             if c.live is None:
                 dst.copy_(src)
             else:
@@ -167,6 +169,7 @@ class SlotCache(DecoderCache):
         self.buffered = 0  # sentences in the buffers (and in the encoder output that goes with them)
         self.live: Tensor | None = None  # (A,) buffered index of each live sentence; None: all, in order
         self.capacity = 0  # positions the self-attention buffers hold
+        self.call_beam = beam  # rows per sentence in this call: beam, or 1 on the first call (see begin)
         self.rows = 0  # live rows of the current call (its inputs may carry padding rows after them)
         self.ancestors: Tensor | None = None  # (R, capacity) int32: row j of the sentence holding position s
         self.memory_mask: Tensor | None = None  # (N, 1, 1, S) True=attend, or None when nothing is padded
@@ -198,33 +201,44 @@ class SlotCache(DecoderCache):
         self._biases.pop(("memory", torch.bfloat16), None)
 
     def begin(self, rows: int, new_tokens: int, device: torch.device) -> None:
-        """Prepare a decoder call of ``new_tokens`` per row: this call's self-attention mask."""
+        """Prepare a decoder call of ``new_tokens`` per row: this call's self-attention mask.
+
+        The first call may give one row per sentence instead of ``beam``: every hypothesis of a sentence starts
+        from the same prefix, so its keys/values are computed once and every row's history starts with them.
+        """
         K, start, T = self.beam, self.length, new_tokens
         end = start + T
         self._biases = {key: b for key, b in self._biases.items() if key[0] != "self"}
         live_sents = self.buffered if self.live is None else self.live.numel()
-        if rows != live_sents * K:
+        first = start == 0 and K > 1 and rows == live_sents
+        if rows != live_sents * K and not first:
             raise ValueError(f"the decoder got {rows} rows but the cache holds {live_sents} live sentences of "
                              f"{K} rows each")
         self.rows = rows
-        if end > self.capacity:  # a few spare positions: every growth copies the filled slots
-            self.capacity = max(INITIAL_CAPACITY, -(-(end + CAPACITY_STEP) // CAPACITY_STEP) * CAPACITY_STEP)
-        cap = self.capacity
-        # query start+i sees positions 0..start+i of the buffer (T, capacity): causal, and no unwritten slot
-        seen = torch.arange(cap, device=device)[None, :] <= (start + torch.arange(T, device=device))[:, None]
+        self.call_beam = 1 if first else K
+        if end > self.capacity:  # the written positions rounded up: every growth copies the filled slots
+            self.capacity = -(-end // CAPACITY_STEP) * CAPACITY_STEP
+        cap = n = self.capacity
+        # query start+i sees positions 0..start+i of the buffer (T, n): causal, and no unwritten slot
+        seen = torch.arange(n, device=device)[None, :] <= (start + torch.arange(T, device=device))[:, None]
         if K == 1:
             self.self_mask = seen
             return
         if self.ancestors is None or self.ancestors.size(1) < cap:
-            grown = torch.zeros(rows, cap, dtype=torch.int32, device=device)
+            grown = torch.zeros(live_sents * K, cap, dtype=torch.int32, device=device)
             if self.ancestors is not None:
                 grown[:, :start] = self.ancestors[:, :start]
             self.ancestors = grown
         own = torch.arange(K, dtype=torch.int32, device=device)
+        if first:  # row 0 of each sentence computes the shared first positions for all of its rows
+            self.ancestors[:, start:end] = 0
+            mask = (seen[:, :, None] & (own == 0)).reshape(1, 1, T, n * K).expand(rows, 1, T, n * K)
+            self.self_mask = mask  # (A, 1, T, n * beam); live is None on the first call
+            return
         self.ancestors[:, start:end] = own.repeat(rows // K)[:, None]
-        mask = self.ancestors[:, :cap, None] == own  # (R, cap, beam): slot (s, j) holds row r's position s
-        mask = mask.view(rows // K, K, 1, cap * K) & seen.repeat_interleave(K, dim=1)[None, None]
-        mask = mask.reshape(rows // K, 1, K * T, cap * K)  # (A, 1, beam * T, cap * beam)
+        mask = self.ancestors[:, :n, None] == own  # (R, n, beam): slot (s, j) holds row r's position s
+        mask = mask.view(rows // K, K, 1, n * K) & seen.repeat_interleave(K, dim=1)[None, None]
+        mask = mask.reshape(rows // K, 1, K * T, n * K)  # (A, 1, beam * T, n * beam)
         if self.live is not None:
             full = torch.ones((self.buffered,) + mask.shape[1:], dtype=torch.bool, device=device)
             mask = full.index_copy_(0, self.live, mask)
@@ -245,7 +259,7 @@ class SlotCache(DecoderCache):
         padding). Returns the heads concatenated, (R, T, H * Dh).
         """
         R, H, T, Dh = q.shape
-        K = self.beam
+        K = self.call_beam
         A = R // K
         qs = q.view(A, K, H, T, Dh).transpose(1, 2).reshape(A, H, K * T, Dh)
         if self.live is not None:

@@ -104,7 +104,8 @@ class EncoderDecoderModel(nn.Module, ABC):
 
     @abstractmethod
     def new_cache(self, beam: int = 1, row_bucket: RowBucket | None = None) -> DecoderCache:
-        """An empty cache; ``decode`` then takes ``beam`` consecutive rows per sentence of ``enc``."""
+        """An empty cache; ``decode`` then takes ``beam`` consecutive rows per sentence of ``enc``, except on the
+        first call, which may take one row per sentence (all hypotheses start alike; its keys/values serve all)."""
 
     @abstractmethod
     def reorder(self, enc: Any, cache: DecoderCache | None, new_order: Tensor,

@@ -44,10 +44,15 @@ class TableModel:
     def decode(self, prev_output_tokens, enc, cache=None):
         self.calls += 1
         assert cache is not None and prev_output_tokens.size(1) == 1
-        assert prev_output_tokens.size(0) == enc["key"].size(0) * cache["beam"]  # beam rows per sentence
-        h = enc["key"].repeat_interleave(cache["beam"]) if cache["h"] is None else cache["h"]
+        rows, n = prev_output_tokens.size(0), enc["key"].size(0)
+        if cache["h"] is None:  # the first call: one row per sentence (all its hypotheses start alike) or beam
+            assert rows in (n, n * cache["beam"])
+            h = enc["key"].repeat_interleave(rows // n)
+        else:
+            assert rows == n * cache["beam"]  # beam rows per sentence
+            h = cache["h"]
         h = (h * 31 + prev_output_tokens[:, 0] + 1) % self.rows
-        cache["h"] = h
+        cache["h"] = h.repeat_interleave(n * cache["beam"] // rows)
         return self.table[h][:, None, :]
 
     def decode_features(self, prev_output_tokens, enc, cache=None):
