@@ -22,6 +22,7 @@ import torch
 from attnmt import checkpoint
 from attnmt.checkpoint import EPOCH_PATTERN, UPDATE_PATTERN, DataSection
 from attnmt.errors import UserError
+from attnmt.fileio import check_output_file
 
 Log = Callable[[str], None]
 
@@ -253,6 +254,7 @@ def average_to_file(paths: Sequence[str | os.PathLike], output: str | os.PathLik
     output = Path(output)
     if output.is_dir():
         raise UserError(f"{output}: is a directory; give the output file name, e.g. {output / 'averaged.pt'}")
+    check_output_file(output, "--output")
     for p in paths:
         if Path(p).exists() and Path(p).resolve() == output.resolve():
             raise UserError(f"{output}: is also an input; write the average to a new file")

@@ -16,7 +16,8 @@ projection of paper 3.4) is stored once: ``torch.save`` writes a storage once ho
 Names in ``--save-dir`` (as fairseq): ``checkpoint_last.pt`` (every save), ``checkpoint_best.pt`` (best validation
 so far), ``checkpoint{epoch}.pt`` (end of an epoch), ``checkpoint_{epoch}_{updates}.pt`` (every
 ``--save-interval-updates`` / ``--save-interval-minutes``). One file is written atomically (temp file + rename) and
-the other names are hard links to it (or copies where links are not supported), themselves renamed into place.
+the other names are copies of it (in-kernel copies), themselves written atomically: no two names share a file, so replacing or truncating one (``cp other.pt checkpoint_last.pt``) never
+changes another.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from pathlib import Path
 import torch
 
 from attnmt.errors import UserError
-from attnmt.fileio import atomic_torch_save
+from attnmt.fileio import WRITE_ERRNOS, atomic_torch_save, write_error
 
 FORMAT = "attnmt-checkpoint"
 VERSION = 1
@@ -217,34 +218,42 @@ def load(path: str | os.PathLike, mmap: bool = False) -> dict:
     return ckpt
 
 
+def remove_partial_files(save_dir: str | os.PathLike) -> list[Path]:
+    """Delete the temp files of checkpoint writes that were killed (``.checkpoint*.pt.XXXX.tmp``)."""
+    removed = []
+    for p in Path(save_dir).glob(".checkpoint*.pt.*.tmp"):
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+            removed.append(p)
+    return removed
+
+
 def save(state: dict, path: str | os.PathLike) -> None:
     """Write a checkpoint atomically (a crash mid-write leaves the old file)."""
     atomic_torch_save(state, path)
 
 
-def _link_or_copy(src: Path, dst: Path) -> None:
-    """Make ``dst`` hold the same bytes as ``src``, atomically (link/copy to a temp name, then rename)."""
+def _copy(src: Path, dst: Path) -> None:
+    """Make ``dst`` a copy of ``src`` (in-kernel), atomically (copy to a temp name, then rename)."""
     fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
     os.close(fd)
-    os.unlink(tmp)
     try:
-        try:
-            os.link(src, tmp)
-        except OSError:
-            shutil.copyfile(src, tmp)
+        shutil.copyfile(src, tmp)
         os.replace(tmp, dst)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(e, OSError) and e.errno in WRITE_ERRNOS:
+            raise write_error(dst, e) from None
         raise
 
 
 def save_as(state: dict, save_dir: str | os.PathLike, names: list[str]) -> list[Path]:
-    """Write ``state`` once under ``names[0]`` in ``save_dir`` and give it the other names; returns the paths."""
+    """Write ``state`` under ``names[0]`` in ``save_dir`` and copy it to the other names; returns the paths."""
     save_dir = Path(save_dir)
     save_dir.mkdir(parents=True, exist_ok=True)
     paths = [save_dir / n for n in dict.fromkeys(names)]
     save(state, paths[0])
     for p in paths[1:]:
-        _link_or_copy(paths[0], p)
+        _copy(paths[0], p)
     return paths

@@ -1,21 +1,95 @@
-"""Atomic writes: a file is either the old one or the complete new one, never half-written."""
+"""Writing outputs: every file attnmt writes goes through here.
+
+* Atomic writes: a file is either the old one or the complete new one, never half-written (temp file beside it,
+  fsync, rename); a failed write removes its temp file.
+* Write errors (a full disk, a read-only file system, a directory where a file should be, ...) become one-line
+  ``UserError``s that name the path, and outputs can be checked before any work starts
+  (:func:`check_output_dir`, :func:`check_output_file`), so that a long run does not fail at its end.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
+from attnmt.errors import UserError
+
+# errors of the target, not of attnmt: reported as one line naming the path
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR,
+                errno.EEXIST, errno.EFBIG, errno.ENAMETOOLONG}
+
+
+def write_error(path: str | os.PathLike, e: OSError, option: str = "") -> UserError:
+    """The one-line error for a failed write of ``path``."""
+    what = f"{option} " if option else ""
+    fix = {errno.ENOSPC: "free some space or write elsewhere", errno.EDQUOT: "free some space or write elsewhere",
+           errno.EROFS: "the file system is read-only: write elsewhere"}.get(e.errno, f"choose another {what or 'path'}")
+    return UserError(f"{path}: cannot write {what}({e.strerror or e}); {fix}")
+
+
+def _blocking_file(path: Path) -> Path | None:
+    """The first existing component of ``path`` (itself included) that is not a directory, if any."""
+    for p in [*reversed(path.parents), path]:
+        if p.exists() and not p.is_dir():
+            return p
+        if not p.exists():
+            return None
+    return None
+
+
+def _probe(directory: Path, path: Path, option: str) -> None:
+    """Create ``directory`` if needed and check that a file can be created in it."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".attnmt-probe.", dir=directory)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise write_error(path, e, option) from None
+
+
+def check_output_dir(path: str | os.PathLike, option: str) -> Path:
+    """Fail fast (UserError) unless ``path`` is, or can be made, a directory that files can be written into."""
+    path = Path(path)
+    blocker = _blocking_file(path)
+    if blocker == path:
+        raise UserError(f"{path}: {option} is a file, not a directory; choose a directory")
+    if blocker is not None:
+        raise UserError(f"{path}: {option} is under {blocker}, which is a file; choose a directory")
+    _probe(path, path, option)
+    return path
+
+
+def check_output_file(path: str | os.PathLike, option: str) -> Path:
+    """Fail fast (UserError) unless ``path`` can be written (atomically: a temp file beside it, then a rename)."""
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{path}: {option} is a directory; give a file name, e.g. {path / 'out.txt'}")
+    blocker = _blocking_file(path.parent)
+    if blocker is not None:
+        raise UserError(f"{path}: {option} is under {blocker}, which is a file; choose another path")
+    _probe(path.parent, path, option)
+    return path
+
 
 @contextlib.contextmanager
 def atomic_open(path: str | os.PathLike, mode: str = "w", encoding: str | None = "utf-8") -> Iterator[IO]:
-    """Open a temp file next to ``path``; on success fsync and rename it over ``path``; on error remove it."""
+    """Open a temp file next to ``path``; on success fsync and rename it over ``path``; on error remove it.
+
+    A write error of the target (full disk, read-only file system, ...) becomes a UserError naming ``path``.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise (write_error(path, e) if e.errno in WRITE_ERRNOS else e) from None
     os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give the result the permissions open() would
     binary = "b" in mode
     try:
@@ -24,9 +98,11 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", encoding: str | None =
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(e, OSError) and e.errno in WRITE_ERRNOS:
+            raise write_error(path, e) from None
         raise
 
 
@@ -40,5 +116,13 @@ def atomic_torch_save(obj, path: str | os.PathLike) -> None:
     """``torch.save`` through a temp file and a rename (a crash mid-save never corrupts ``path``)."""
     import torch
 
-    with atomic_open(path, "wb") as f:
-        torch.save(obj, f)
+    try:
+        with atomic_open(path, "wb") as f:
+            torch.save(obj, f)
+    except RuntimeError as e:  # torch's zip writer reports a failed write (ENOSPC) as "unexpected pos"
+        if "inline_container" not in str(e) and "unexpected pos" not in str(e):
+            raise
+        free = shutil.disk_usage(Path(path).parent).free
+        raise UserError(f"{path}: cannot write the checkpoint (the write failed: disk full? {free / 2**20:.0f} MB "
+                        f"free once the partial file was removed); free some space or choose another directory") \
+            from None

@@ -50,6 +50,14 @@ def hms(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
+def _record_update(line: str) -> int:
+    """The update a train.jsonl record belongs to (0 for records without one, or lines that do not parse)."""
+    try:
+        return int(json.loads(line).get("num_updates") or 0)
+    except (ValueError, AttributeError, TypeError):
+        return 0
+
+
 class RunLog:
     """Progress on stderr (a rich bar on a terminal, plain lines otherwise) and JSON lines in ``train.jsonl``."""
 
@@ -60,7 +68,8 @@ class RunLog:
         if mode == "auto":
             mode = "bar" if sys.stderr.isatty() else "lines"
         self.mode = mode if enabled else "none"
-        self.jsonl = open(jsonl, "a", encoding="utf-8") if jsonl is not None and enabled else None  # noqa: SIM115
+        self.jsonl_path = jsonl if enabled else None  # opened on the first record: a failed start writes nothing
+        self.jsonl = None
         self.bar = None
         if self.mode == "bar":
             self.bar = rich_bar(remaining=True, stats=True, transient=False, console=self.console)
@@ -71,9 +80,25 @@ class RunLog:
             self.console.print(text, markup=False, soft_wrap=True)
 
     def record(self, obj: dict) -> None:
-        if self.jsonl is not None:
-            self.jsonl.write(json.dumps(obj, sort_keys=False) + "\n")
-            self.jsonl.flush()
+        if self.jsonl_path is None:
+            return
+        if self.jsonl is None:
+            self.jsonl = open(self.jsonl_path, "a", encoding="utf-8")  # noqa: SIM115
+        self.jsonl.write(json.dumps(obj, sort_keys=False) + "\n")
+        self.jsonl.flush()
+
+    def forget_after(self, num_updates: int) -> int:
+        """Drop the records of updates after ``num_updates`` (a resumed run repeats them); returns how many."""
+        if self.jsonl_path is None or self.jsonl is not None or not Path(self.jsonl_path).is_file():
+            return 0
+        from attnmt.fileio import atomic_open
+
+        lines = Path(self.jsonl_path).read_text(encoding="utf-8").splitlines(keepends=True)
+        keep = [ln for ln in lines if _record_update(ln) <= num_updates]
+        if len(keep) < len(lines):
+            with atomic_open(self.jsonl_path, "w") as f:
+                f.writelines(keep)
+        return len(lines) - len(keep)
 
     def advance(self, num_updates: int, epoch: int, stats: str = "") -> None:
         if self.bar is not None:

@@ -121,6 +121,7 @@ def arch_config(arch: str, overrides: dict[str, Any] | None = None):
 
 _loaded_builtins = False
 _loaded_user_dirs: set[str] = set()
+_user_modules: set[str] = set()
 
 
 def load_builtins() -> None:
@@ -141,22 +142,27 @@ def load_entry_point_plugins() -> None:
                             f"fix or uninstall the package that provides it") from e
 
 
-def import_user_dir(path: str | Path) -> None:
-    """Import a local plugin: a ``.py`` file or a package directory (fairseq's ``--user-dir``)."""
+def import_user_dir(path: str | Path, option: str = "--user-dir") -> None:
+    """Import a local plugin: a ``.py`` file or a package directory (fairseq's ``--user-dir``); ``option`` names
+    where the path came from in error messages (``--user-dir`` or ``ATTNMT_USER_DIR``)."""
     p = Path(path).expanduser().resolve()
     key = str(p)
     if key in _loaded_user_dirs:
         return
     if not p.exists():
-        raise UserError(f"--user-dir {path}: no such file or directory; pass a plugin .py file or package directory")
+        raise UserError(f"{option} {path}: no such file or directory; pass a plugin .py file or package directory")
     if p.is_dir():
         init = p / "__init__.py"
         if not init.exists():
-            raise UserError(f"--user-dir {path}: directory has no __init__.py; make it a package or pass a .py file")
+            raise UserError(f"{option} {path}: directory has no __init__.py; make it a package or pass a .py file")
         modname, location = p.name, init
         search = [str(p)]
     else:
         modname, location, search = p.stem, p, None
+    if modname in sys.stdlib_module_names or (modname in sys.modules and modname not in _user_modules):
+        raise UserError(f"{option} {path}: its module name '{modname}' is already taken by "
+                        f"{'a standard module' if modname in sys.stdlib_module_names else 'an imported module'}, "
+                        f"which it would replace; rename the plugin")
     spec = importlib.util.spec_from_file_location(modname, location, submodule_search_locations=search)
     module = importlib.util.module_from_spec(spec)
     sys.modules[modname] = module
@@ -164,14 +170,22 @@ def import_user_dir(path: str | Path) -> None:
         spec.loader.exec_module(module)
     except UserError:
         raise
+    except SystemExit as e:
+        del sys.modules[modname]
+        raise UserError(f"{option} {path}: the plugin called sys.exit({e.code}) while being imported; a plugin "
+                        f"should only register components") from None
     except Exception as e:
         del sys.modules[modname]
-        raise UserError(f"--user-dir {path}: importing the plugin failed: {type(e).__name__}: {e}") from e
+        raise UserError(f"{option} {path}: importing the plugin failed: {type(e).__name__}: {e}") from e
     _loaded_user_dirs.add(key)
+    _user_modules.add(modname)
 
 
-def load_plugins(user_dirs: list[str] | tuple[str, ...] = ()) -> None:
+def load_plugins(user_dirs: list[str] | tuple[str, ...] = (), env_dirs: list[str] | tuple[str, ...] = ()) -> None:
+    """Built-ins, entry-point plugins, ``--user-dir`` paths, then ``ATTNMT_USER_DIR`` ones."""
     load_builtins()
     load_entry_point_plugins()
     for d in user_dirs:
         import_user_dir(d)
+    for d in env_dirs:
+        import_user_dir(d, "ATTNMT_USER_DIR")

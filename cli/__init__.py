@@ -27,7 +27,8 @@ COMMANDS = {
 }
 
 
-def _user_dirs(argv: list[str]) -> list[str]:
+def _user_dirs(argv: list[str]) -> tuple[list[str], list[str]]:
+    """The plugin paths of ``--user-dir`` options and of the ``ATTNMT_USER_DIR`` environment variable."""
     dirs = []
     for i, a in enumerate(argv):
         if a == "--user-dir" and i + 1 < len(argv):
@@ -35,13 +36,17 @@ def _user_dirs(argv: list[str]) -> list[str]:
         elif a.startswith("--user-dir="):
             dirs.append(a.split("=", 1)[1])
     env = os.environ.get("ATTNMT_USER_DIR")
-    if env:
-        dirs.extend(p for p in env.split(os.pathsep) if p)
-    return dirs
+    return dirs, [p for p in env.split(os.pathsep) if p] if env else []
 
 
 class LazyGroup(click.Group):
     """Imports a subcommand's module only when that subcommand runs (keeps ``attnmt score`` fast)."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError:  # click's main would turn it into exit 1
+            raise _PipeClosed() from None
 
     def list_commands(self, ctx):
         return sorted(COMMANDS)
@@ -65,12 +70,23 @@ def cli(user_dir):
     """
 
 
+class _PipeClosed(Exception):
+    """The reader of our output went away (``attnmt generate ... | head``): carried past click's own handler."""
+
+
+def _quiet_exit(code: int) -> None:
+    """Exit without flushing into a closed pipe (which would print an error at interpreter shutdown)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    sys.exit(code)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         from attnmt.registry import load_plugins
 
-        load_plugins(_user_dirs(argv))
+        load_plugins(*_user_dirs(argv))
         cli.main(args=argv, prog_name="attnmt", standalone_mode=False)
     except UserError as e:
         click.echo(f"attnmt: error: {e}", err=True)
@@ -86,7 +102,13 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         click.echo("attnmt: interrupted", err=True)
         sys.exit(130)
-    except BrokenPipeError:
-        # e.g. `attnmt generate ... | head`: not an error of ours
-        sys.stderr.close()
-        sys.exit(0)
+    except (_PipeClosed, BrokenPipeError):
+        _quiet_exit(0)  # e.g. `attnmt generate ... | head`: not an error of ours
+    except OSError as e:
+        from attnmt.fileio import WRITE_ERRNOS
+
+        if e.errno not in WRITE_ERRNOS:
+            raise
+        where = f"{e.filename}: cannot write" if e.filename else "writing the output failed"
+        click.echo(f"attnmt: error: {where} ({e.strerror}); free some space or write elsewhere", err=True)
+        sys.exit(1)

@@ -94,7 +94,7 @@ def command(data_bin, path, gen_subset, input_path, fmt, output, quiet, **params
     attnmt generate data-bin/multi30k --path model.pt --format fairseq --beam 5 --nbest 5
     """
     from attnmt.backends import configure_process
-    from attnmt.fileio import atomic_open
+    from attnmt.fileio import atomic_open, check_output_file
     from attnmt.generation.generator import format_result, write_lines
     from attnmt.inference import load_generator
     from attnmt.progress import SentenceProgress
@@ -107,6 +107,8 @@ def command(data_bin, path, gen_subset, input_path, fmt, output, quiet, **params
                         "--input FILE|- for raw text")
     if input_path is not None and data_bin is not None:
         raise UserError(f"give either DATA_BIN ({data_bin}) or --input ({input_path}), not both")
+    if output:
+        check_output_file(output, "--output")  # before translating, not at the final rename
 
     configure_process("generate", gen_cfg.device)  # allocator settings for decoding (attnmt/backends)
     bundle, generator = load_generator(path, search_cfg, gen_cfg)

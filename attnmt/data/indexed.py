@@ -219,10 +219,23 @@ class IndexedDataset:
         if count:
             self.sizes = np.memmap(ip, dtype="<i4", mode="r", offset=HEADER.size, shape=(count,))
             self.offsets = np.memmap(ip, dtype="<i8", mode="r", offset=offsets_start(count), shape=(count,))
+            self._check_index(ip)
         else:
             self.sizes, self.offsets = np.zeros(0, "<i4"), np.zeros(0, "<i8")
         # numpy cannot map an empty file
         self._data = np.memmap(bp, dtype=self.dtype, mode="r") if total else np.zeros(0, self.dtype)
+
+    def _check_index(self, ip: str) -> None:
+        """Every size >= 0 and every sequence right after the one before it, the last ending at the file's end:
+        a damaged index would otherwise read as empty or overlapping sentences."""
+        sizes = np.asarray(self.sizes, dtype=np.int64)
+        ends = np.cumsum(sizes)
+        starts = ends - sizes
+        bad = (sizes < 0) | (np.asarray(self.offsets) != starts)
+        if bad.any() or ends[-1] != self._total:
+            i = int(np.argmax(bad)) if bad.any() else self._count - 1
+            raise UserError(f"{ip}: entry {i} (sentence {i + 1}) is corrupt (size {int(self.sizes[i])}, offset "
+                            f"{int(self.offsets[i])}); the file is damaged, re-run attnmt preprocess")
 
     def __len__(self) -> int:
         return self._count

@@ -18,7 +18,7 @@ from attnmt.data.dictionary import Dictionary
 from attnmt.data.indexed import IndexedDatasetBuilder
 from attnmt.data.textio import ScanResult
 from attnmt.errors import UserError
-from attnmt.fileio import atomic_open
+from attnmt.fileio import atomic_open, check_output_dir
 from attnmt.preprocess.config import FORMAT_VERSION, PreprocessConfig
 from attnmt.preprocess.jobs import (
     WORKER_CACHE,
@@ -46,6 +46,10 @@ def preprocess(cfg: PreprocessConfig, quiet: bool = False) -> dict[str, Any]:
     done), ``destdir`` and ``elapsed_s``.
     """
     t0 = time.time()
+    destdir = Path(cfg.destdir)
+    if destdir.exists() and not destdir.is_dir():
+        raise UserError(f"{destdir}: --destdir is a file, not a directory; choose a directory")
+    check_output_dir(destdir.parent, "--destdir")  # the output is built beside it, then renamed into place
     get("bpe", cfg.bpe)
     get("tokenizer", cfg.tokenizer)
     splits = plan_splits(cfg)
@@ -65,6 +69,9 @@ def _preprocess(cfg: PreprocessConfig, splits: list[Split], quiet: bool, t0: flo
         scans = dict(zip(paths, runner.map(scan_file, paths, stage)))
         for s in splits:
             check_parallel(s, scans, src, tgt)
+            if s.train and scans[s.paths[src]].lines == 0:
+                raise UserError(f"{s.paths[src]}: the training text is empty; give --trainpref a corpus with "
+                                f"sentences in it")
         fingerprint = make_fingerprint(cfg, splits, scans)
         existing = check_destdir(destdir, fingerprint)
         stage.done(f" ({len(paths)} files, {sum(scans[p].lines for p in paths):,} lines)")
@@ -148,6 +155,9 @@ def _build(cfg: PreprocessConfig, splits: list[Split], scans: dict[str, ScanResu
     stage = progress.stage("segmenting", len(enc_jobs))
     enc = runner.map(encode_part, enc_jobs, stage)
     stage.done()
+    if train is not None and sum(r.kept for r in enc if r.split == train.name) == 0:
+        raise UserError(f"{train.paths[cfg.source_lang]}: no training pair is left (every one has an empty side or "
+                        f"more than --max-len {cfg.max_len} tokens); check the corpus or raise --max-len")
 
     # ---- dictionaries
     dicts = _dictionaries(cfg, [r for r in enc if r.split == (train.name if train else None)])

@@ -93,6 +93,18 @@ class TrainConfig:
             raise ValueError(f"--update-freq must be >= 1, got {self.update_freq}")
         if self.log_interval < 1:
             raise ValueError(f"--log-interval must be >= 1, got {self.log_interval}")
+        for name in ("max_update", "max_epoch", "save_interval_updates", "validate_interval_updates"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: off), got {getattr(self, name)}")
+        for name in ("max_time_minutes", "save_interval_minutes", "clip_norm"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: off), got {getattr(self, name)}")
+        for name in ("save_interval", "validate_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("keep_interval_updates", "keep_last_epochs"):
+            if getattr(self, name) < -1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= -1 (-1: keep all), got {getattr(self, name)}")
         self.precision = requested_precision(self.precision, self.bf16, self.fp16)
         if self.best_checkpoint_metric not in ("loss", "nll_loss", "ppl", "bleu"):
             raise ValueError(f"--best-checkpoint-metric {self.best_checkpoint_metric!r}: use loss, nll_loss, ppl or "

@@ -33,6 +33,9 @@ def chunks(it, n: int):
 def make_train_iterator(task, cfg: TrainConfig, max_positions: tuple[int, int]) -> tuple[EpochBatchIterator, Skipped]:
     """Filter overlong pairs, bucket by length into --max-tokens batches, shuffle per epoch, shard by rank."""
     data = task.dataset(task.cfg.train_subset)
+    if len(data) == 0:
+        raise UserError(f"{task.split_prefix(task.cfg.train_subset, task.src_lang)}: the training split is empty; "
+                        f"binarize a corpus with sentences in it (attnmt preprocess --trainpref)")
     order = data.ordered_indices(cfg.seed)
     kept, skipped = filter_by_size(order, data.src_sizes, data.tgt_sizes, max_positions[0], max_positions[1],
                                    cfg.max_tokens)
@@ -54,6 +57,11 @@ def make_valid_batches(task, cfg: TrainConfig, split: str, max_positions: tuple[
     order = data.ordered_indices(0)
     kept, skipped = filter_by_size(order, data.src_sizes, data.tgt_sizes, max_positions[0], max_positions[1],
                                    cfg.max_tokens)
+    if len(kept) == 0:  # a loss over nothing would read 0 and make an unbeatable best checkpoint
+        why = "it is empty" if len(data) == 0 else f"no pair fits ({skipped.reason})"
+        raise UserError(f"{task.split_prefix(split, task.src_lang)}: validation split '{split}': {why}; binarize a "
+                        f"non-empty one (attnmt preprocess --validpref), choose another --valid-subset, or train "
+                        f"with --disable-validation")
     batches = batch_by_size(kept, data.num_tokens(), cfg.max_tokens, cfg.batch_size, 1)
     batches = batches[cfg.rank:: cfg.world_size]
     return data, batches, skipped

@@ -29,6 +29,7 @@ from attnmt.backends import backend_for, resolve_precision, training_device
 from attnmt.config import to_dict
 from attnmt.data.batching import EpochBatchIterator, Skipped
 from attnmt.errors import UserError
+from attnmt.fileio import check_output_dir
 from attnmt.optim import build_lr_scheduler, build_optimizer
 from attnmt.progress import RunLog, fmt_number, hms
 from attnmt.registry import get
@@ -73,6 +74,12 @@ def train(data_bin: str | os.PathLike, setup: Setup, cfg: TrainConfig,
 def _train(data_bin, setup: Setup, cfg: TrainConfig, extra_validators, dist_cfg: distributed.DistributedConfig,
            device: torch.device, precision: str, t_start: float) -> dict:
     seed_everything(cfg.seed)
+    save_dir = Path(cfg.save_dir)
+    is_master = cfg.rank == 0
+    stale: list[Path] = []
+    if is_master:  # before any work: a bad --save-dir fails now, not at the first save
+        check_output_dir(save_dir, "--save-dir")
+        stale = checkpoint.remove_partial_files(save_dir)
 
     task_cls = get("task", setup.task).obj
     task = task_cls(setup.task_cfg, data_bin)
@@ -101,12 +108,10 @@ def _train(data_bin, setup: Setup, cfg: TrainConfig, extra_validators, dist_cfg:
 
             extra_validators.append(BleuValidator(task, cfg, device, precision))
 
-    save_dir = Path(cfg.save_dir)
-    is_master = cfg.rank == 0
-    if is_master:
-        save_dir.mkdir(parents=True, exist_ok=True)
     total = cfg.max_update or (cfg.max_epoch * math.ceil(len(itr) / cfg.update_freq) if cfg.max_epoch else None)
     log = RunLog(save_dir / "train.jsonl", cfg.progress, total, 0, enabled=is_master)
+    if stale:
+        log.info(f"removed {len(stale)} partial checkpoint file(s) of interrupted saves from {save_dir}")
     best = Best(cfg.best_checkpoint_metric, cfg.maximize_best_checkpoint_metric)
     data_state = task.data_state()
     try:
@@ -120,6 +125,10 @@ def _train(data_bin, setup: Setup, cfg: TrainConfig, extra_validators, dist_cfg:
             if cfg.finetune_from:
                 log.info(f"{last} exists: resuming from it, --finetune-from is ignored")
             train_time = resume(last, cfg, setup, trainer, itr, best, model_name, model_cfg, data_state, log)
+            dropped = log.forget_after(trainer.num_updates)
+            if dropped:
+                log.info(f"train.jsonl: dropped {dropped} record(s) of updates after {trainer.num_updates}, which "
+                         f"the checkpoint does not hold and this run repeats")
         elif cfg.finetune_from:
             finetune(Path(cfg.finetune_from), trainer, data_state, log)
 
