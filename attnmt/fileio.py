@@ -29,7 +29,9 @@ def write_error(path: str | os.PathLike, e: OSError, option: str = "") -> UserEr
     """The one-line error for a failed write of ``path``."""
     what = f"{option} " if option else ""
     fix = {errno.ENOSPC: "free some space or write elsewhere", errno.EDQUOT: "free some space or write elsewhere",
-           errno.EROFS: "the file system is read-only: write elsewhere"}.get(e.errno, f"choose another {what or 'path'}")
+           errno.EROFS: "the file system is read-only: write elsewhere",
+           errno.EFBIG: "the file would pass this process's file-size limit (ulimit -f): raise it or write less"
+           }.get(e.errno, f"choose another {what or 'path'}")
     return UserError(f"{path}: cannot write {what}({e.strerror or e}); {fix}")
 
 
