@@ -13,6 +13,7 @@ import sys
 import click
 
 from attnmt.errors import UserError
+from attnmt.signals import Terminated
 
 # subcommand name -> module (inside attnmt.cli) that defines ``command``
 COMMANDS = {
@@ -84,8 +85,10 @@ def _quiet_exit(code: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        from attnmt import signals
         from attnmt.registry import load_plugins
 
+        signals.install()  # SIGTERM/SIGHUP unwind like Ctrl-C (attnmt/signals.py)
         load_plugins(*_user_dirs(argv))
         cli.main(args=argv, prog_name="attnmt", standalone_mode=False)
     except UserError as e:
@@ -102,6 +105,9 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         click.echo("attnmt: interrupted", err=True)
         sys.exit(130)
+    except Terminated as e:
+        click.echo(f"attnmt: terminated by {e.name}", err=True)
+        sys.exit(e.exit_code)
     except (_PipeClosed, BrokenPipeError):
         _quiet_exit(0)  # e.g. `attnmt generate ... | head`: not an error of ours
     except OSError as e:

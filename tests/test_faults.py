@@ -293,3 +293,77 @@ def test_failed_start_writes_no_log(data, tmp_path, capsys):
                             str(tmp_path / "missing.pt")], capsys)
     assert code == 1 and "missing.pt" in err
     assert not (ck / "train.jsonl").exists()
+
+
+# ------------------------------------------------------------------------------------------ signals
+
+
+def _start(args: list[str], stdin_text: str | None = None, stdout=subprocess.DEVNULL) -> subprocess.Popen:
+    import signal
+
+    p = subprocess.Popen([sys.executable, "-m", "attnmt.cli", *args], stdin=subprocess.PIPE if stdin_text else None,
+                         stdout=stdout, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    if stdin_text:
+        import threading
+
+        def feed():
+            try:
+                p.stdin.write(stdin_text)
+                p.stdin.close()
+            except BrokenPipeError:
+                pass
+
+        threading.Thread(target=feed, daemon=True).start()
+    return p
+
+
+@pytest.mark.slow
+def test_sigterm_stops_generate_cleanly_and_keeps_the_old_output(ckpt, tmp_path):
+    import signal
+    import time
+
+    src = tmp_path / "in.txt"
+    src.write_text("w1 w2 w3 w4 w5\n" * 100000)
+    out = tmp_path / "out.txt"
+    out.write_text("old\n")
+    p = _start(["generate", "--path", str(ckpt), "--input", str(src), "--output", str(out), "--max-tokens", "64"])
+    time.sleep(5)
+    assert p.poll() is None, p.stderr.read()
+    p.send_signal(signal.SIGTERM)
+    err = p.stderr.read()
+    assert p.wait() == 143 and "attnmt: terminated by SIGTERM" in err and "Traceback" not in err, err
+    assert out.read_text() == "old\n" and sorted(x.name for x in tmp_path.iterdir()) == ["in.txt", "out.txt"]
+
+
+@pytest.mark.slow
+def test_sigterm_to_translate_keeps_what_it_finished_and_workers_die_with_their_parent(ckpt, tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "out.txt"
+    with open(out, "w") as f:
+        p = _start(["translate", "--path", str(ckpt), "--max-tokens", "64"], "w1 w2 w3\n" * 100000, stdout=f)
+        time.sleep(6)
+        p.send_signal(signal.SIGTERM)
+        err = p.stderr.read()
+        assert p.wait() == 143 and "attnmt: terminated by SIGTERM" in err, err
+    assert len(out.read_text().splitlines()) > 0  # the translations finished before the signal were flushed
+
+    p = _start(["translate", "--path", str(ckpt), "--max-tokens", "64", "--workers", "2"], "w1 w2 w3\n" * 100000)
+    time.sleep(8)
+    kids = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+    assert len(kids) == 2, kids
+    p.kill()
+    p.wait()
+
+    def running(pid: str) -> bool:  # a zombie waiting to be reaped is not running
+        stat = subprocess.run(["ps", "-o", "stat=", "-p", pid], capture_output=True, text=True).stdout.strip()
+        return bool(stat) and not stat.startswith("Z")
+
+    for _ in range(30):
+        alive = [k for k in kids if running(k)]
+        if not alive:
+            break
+        time.sleep(0.1)
+    assert alive == [], "decoding workers outlived their killed parent"

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # lowest first; a module may import its own layer and the ones before it
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("attnmt.errors", "attnmt.fileio", "attnmt.config", "attnmt.registry")),
+    ("base", ("attnmt.errors", "attnmt.fileio", "attnmt.config", "attnmt.registry", "attnmt.signals")),
     ("data", ("attnmt.data", "attnmt.scoring", "attnmt.progress")),
     ("models", ("attnmt.models",)),
     ("components", ("attnmt.criterions", "attnmt.optim", "attnmt.tasks", "attnmt.checkpoint", "attnmt.backends")),

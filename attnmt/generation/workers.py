@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from attnmt.errors import UserError
+from attnmt.signals import die_with_parent
 
 Task = tuple[Any, list, list]  # (key, sources, sentence ids)
 START_TIMEOUT_S = 600.0
@@ -52,6 +53,8 @@ def _work(search_batch: Callable | None, load: Callable | None, threads: int, ta
     ``search_batch`` (forked workers) or ``load()`` -> a Generator whose ``search_batch`` runs (spawned workers).
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops the workers
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a forked child must not inherit the parent's SIGTERM policy
+    die_with_parent()  # a parent killed by SIGKILL leaves no worker behind
     torch.set_num_threads(threads)
     pid = os.getpid()
     try:

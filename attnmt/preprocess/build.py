@@ -34,7 +34,7 @@ from attnmt.preprocess.jobs import (
 )
 from attnmt.preprocess.plan import Split, plan_parts, plan_splits
 from attnmt.preprocess.publish import check_destdir, check_parallel, make_fingerprint, publish_dir
-from attnmt.preprocess.runner import Runner, terminate_unwinds
+from attnmt.preprocess.runner import Runner
 from attnmt.progress import StageProgress
 from attnmt.registry import get
 
@@ -53,8 +53,7 @@ def preprocess(cfg: PreprocessConfig, quiet: bool = False) -> dict[str, Any]:
     get("bpe", cfg.bpe)
     get("tokenizer", cfg.tokenizer)
     splits = plan_splits(cfg)
-    with terminate_unwinds():
-        return _preprocess(cfg, splits, quiet, t0)
+    return _preprocess(cfg, splits, quiet, t0)  # SIGTERM unwinds like Ctrl-C (attnmt.signals): tmp is removed
 
 
 def _preprocess(cfg: PreprocessConfig, splits: list[Split], quiet: bool, t0: float) -> dict[str, Any]:

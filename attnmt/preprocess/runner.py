@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import signal
-import threading
 from collections.abc import Callable
 from typing import Any
+
+from attnmt.signals import die_with_parent
 
 # ---------------------------------------------------------------------------------------------------- running
 
@@ -49,23 +49,7 @@ def _worker_init() -> None:
     # Ctrl-C and kill reach the main process, which ends the pool; workers just die when told to
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-@contextlib.contextmanager
-def terminate_unwinds():
-    """SIGTERM (a scheduler's kill, ``timeout``) unwinds like Ctrl-C, so the temp directory is removed."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
+    die_with_parent()
 
 
 def _indexed_call(arg):

@@ -253,6 +253,9 @@ def _run(trainer: Trainer, task, setup: Setup, cfg: TrainConfig, model_name: str
             if names:
                 save(names)
                 last_save = time.perf_counter()
+                if stop is None and distributed.any_rank([preemption is not None and preemption.requested],
+                                                         trainer.device)[0]:
+                    stop = "preempted"  # arrived while saving: the checkpoint just written holds this update
             if stop == "preempted":
                 why = preemption.signal_name if preemption is not None and preemption.signal_name else \
                     "a signal to another rank"
