@@ -367,3 +367,13 @@ def test_sigterm_to_translate_keeps_what_it_finished_and_workers_die_with_their_
             break
         time.sleep(0.1)
     assert alive == [], "decoding workers outlived their killed parent"
+
+
+def test_divergence_is_warned_and_an_unreachable_min_len_refused(data, tmp_path, capsys):
+    code, err = in_process(["train", str(data), *TRAIN, "--save-dir", str(tmp_path / "ck"), "--max-update", "20",
+                            "--lr", "1000", "--warmup-updates", "1", "--log-interval", "5", "--progress", "lines",
+                            "--disable-validation"], capsys)
+    assert code == 0 and err.count("training is diverging; lower --lr") == 1, err
+    code, err = in_process(["translate", "--path", str(tmp_path / "ck" / "checkpoint_last.pt"), "--max-len-a", "0",
+                            "--max-len-b", "5", "--min-len", "8"], capsys)
+    assert code == 1 and "--min-len 8 is above the length limit --max-len-b 5" in err

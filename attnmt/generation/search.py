@@ -80,6 +80,9 @@ class SearchConfig:
             raise ValueError("--max-len-a and --max-len-b must not be negative")
         if self.min_len < 0:
             raise ValueError(f"--min-len must not be negative, got {self.min_len}")
+        if self.max_len_a == 0 and self.min_len > self.max_len_b:
+            raise ValueError(f"--min-len {self.min_len} is above the length limit --max-len-b {self.max_len_b} "
+                             f"(with --max-len-a 0); lower --min-len or raise --max-len-b")
         if self.no_repeat_ngram_size < 0:
             raise ValueError(f"--no-repeat-ngram-size must not be negative, got {self.no_repeat_ngram_size}")
         if not math.isfinite(self.lenpen):

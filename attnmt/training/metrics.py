@@ -16,12 +16,15 @@ from attnmt.progress import RunLog, fmt_number, hms
 from attnmt.training.config import TrainConfig
 from attnmt.training.trainer import Trainer, global_sum
 
+DIVERGED_BITS = 64.0  # a uniform guess over 2**64 words; a loss above it means divergence, not a hard task
+
 
 class Meter:
     """Sums over one log interval; tensors stay on the device until the interval is reported."""
 
     def __init__(self, device: torch.device):
         self.device = device
+        self.warned = False  # the divergence warning is given once
         self.reset()
 
     def reset(self) -> None:
@@ -121,3 +124,8 @@ def log_train(log: RunLog, meter: Meter, trainer: Trainer, itr: EpochBatchIterat
     compact = (f"loss {m['loss']:.3f} ppl {fmt_number(m['ppl'])} lr {trainer.lr:.2e} wps {m['wps']:.0f} "
                f"ups {m['ups']:.2f} gnorm {m['gnorm']:.2f}")
     log.line(text, compact)
+    if m["loss"] > DIVERGED_BITS and not meter.warned:
+        meter.warned = True
+        log.info(f"warning: training loss {fmt_number(m['loss'])} bits per token, far above what even a uniform guess "
+                 f"over any vocabulary costs: training is diverging; lower --lr (now {fmt_number(trainer.lr)}) or "
+                 f"add --clip-norm")
