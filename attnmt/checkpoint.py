@@ -27,7 +27,6 @@ import dataclasses
 import os
 import re
 import shutil
-import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +34,7 @@ from pathlib import Path
 import torch
 
 from attnmt.errors import UserError
-from attnmt.fileio import WRITE_ERRNOS, atomic_torch_save, write_error
+from attnmt.fileio import atomic_open, atomic_torch_save
 
 FORMAT = "attnmt-checkpoint"
 VERSION = 1
@@ -234,18 +233,9 @@ def save(state: dict, path: str | os.PathLike) -> None:
 
 
 def _copy(src: Path, dst: Path) -> None:
-    """Make ``dst`` a copy of ``src`` (in-kernel), atomically (copy to a temp name, then rename)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
-    os.close(fd)
-    try:
-        shutil.copyfile(src, tmp)
-        os.replace(tmp, dst)
-    except BaseException as e:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        if isinstance(e, OSError) and e.errno in WRITE_ERRNOS:
-            raise write_error(dst, e) from None
-        raise
+    """Make ``dst`` a copy of ``src``, written as every output is (``fileio.atomic_open``)."""
+    with open(src, "rb") as f, atomic_open(dst, "wb") as out:
+        shutil.copyfileobj(f, out, 1 << 20)
 
 
 def save_as(state: dict, save_dir: str | os.PathLike, names: list[str]) -> list[Path]:
