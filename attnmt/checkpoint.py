@@ -16,7 +16,7 @@ projection of paper 3.4) is stored once: ``torch.save`` writes a storage once ho
 Names in ``--save-dir`` (as fairseq): ``checkpoint_last.pt`` (every save), ``checkpoint_best.pt`` (best validation
 so far), ``checkpoint{epoch}.pt`` (end of an epoch), ``checkpoint_{epoch}_{updates}.pt`` (every
 ``--save-interval-updates`` / ``--save-interval-minutes``). One file is written atomically (temp file + rename) and
-the other names are copies of it (in-kernel copies), themselves written atomically: no two names share a file, so replacing or truncating one (``cp other.pt checkpoint_last.pt``) never
+the other names are copies of it, themselves written atomically: no two names share a file, so replacing or truncating one (``cp other.pt checkpoint_last.pt``) never
 changes another.
 """
 
