@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Get a recipe's corpus files and verify their sha256 checksums.
 
-Usage: python recipes/fetch_data.py MANIFEST --out DIR [--data-dir LOCAL_DIR]
+Usage: python recipes/fetch_data.py MANIFEST --out DIR [--data-dir LOCAL_DIR] [--langs L1,L2]
 
 MANIFEST is a tab-separated file: ``name<TAB>sha256<TAB>source``. Each ``name`` is looked up in ``--data-dir`` (or
 the environment variable ATTNMT_DATA_DIR) when given, else fetched from ``source``: a URL, or
@@ -9,7 +9,9 @@ the environment variable ATTNMT_DATA_DIR) when given, else fetched from ``source
 its official copy of a test set. Either way the checksum must match, and the verified file is linked (or written)
 into ``--out``. The checksum is the sha256 of the file's *text*: for a ``.gz`` name, of its decompressed content,
 so a local gzipped copy and a fresh download verify the same way. A wrong or corrupted file is reported by name,
-with the expected and the found checksum, and the script exits non-zero.
+with the expected and the found checksum, and the script exits non-zero. ``--langs en,fr`` keeps only the files
+of those languages (names ``SPLIT.LANG[.gz]``): a manifest can list a corpus's every language, a run fetches its
+pair.
 """
 
 from __future__ import annotations
@@ -51,6 +53,11 @@ def read_manifest(path: Path) -> list[tuple[str, str, str]]:
     return rows
 
 
+def language(name: str) -> str:
+    """The language code of a corpus file name: ``train.fr.gz`` -> ``fr``."""
+    return Path(name.removesuffix(".gz")).suffix.lstrip(".")
+
+
 def download(source: str, dest: Path) -> None:
     """Fetch ``source`` (a URL or ``sacrebleu:TESTSET:LANGPAIR:FIELD``) into ``dest`` atomically."""
     fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.")
@@ -72,11 +79,21 @@ def download(source: str, dest: Path) -> None:
         raise
 
 
-def fetch(manifest: Path, out: Path, data_dir: Path | None) -> int:
-    """Fetch and verify every file of ``manifest`` into ``out``; return the number of failures."""
+def fetch(manifest: Path, out: Path, data_dir: Path | None, langs: list[str] | None = None) -> int:
+    """Fetch and verify the files of ``manifest`` (those of ``langs``, else all) into ``out``; return the number of
+    failures."""
     out.mkdir(parents=True, exist_ok=True)
+    rows = read_manifest(manifest)
+    if langs:
+        known = sorted({language(name) for name, _, _ in rows})
+        unknown = [lang for lang in langs if lang not in known]
+        if unknown:
+            print(f"fetch_data: error: {manifest}: no files for language {', '.join(unknown)}; this corpus has "
+                  f"{', '.join(known)}", file=sys.stderr)
+            return len(unknown)
+        rows = [row for row in rows if language(row[0]) in langs]
     bad = 0
-    for name, expected, url in read_manifest(manifest):
+    for name, expected, url in rows:
         dest = out / name
         dest.parent.mkdir(parents=True, exist_ok=True)
         if data_dir is not None:
@@ -123,8 +140,10 @@ def main() -> int:
     ap.add_argument("manifest", type=Path)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--data-dir", type=Path, default=os.environ.get("ATTNMT_DATA_DIR") or None)
+    ap.add_argument("--langs", default="", help="comma-separated language codes: fetch only their files")
     args = ap.parse_args()
-    return 1 if fetch(args.manifest, args.out, args.data_dir) else 0
+    langs = [lang for lang in args.langs.split(",") if lang]
+    return 1 if fetch(args.manifest, args.out, args.data_dir, langs) else 0
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def assert_png(path: Path) -> None:
 @pytest.mark.precision
 def test_multi30k_recipe_smoke(tmp_path):
     """The README's main job on a slice; CI runs it again as on a CPU without native bf16 (fp32 throughout)."""
-    r = run_recipe("multi30k_en_de", tmp_path, "multi30k", TRAIN_LINES="300", MAX_UPDATE="4", MAX_TIME_MINUTES="5",
+    r = run_recipe("multi30k", tmp_path, "multi30k", TRAIN_LINES="300", MAX_UPDATE="4", MAX_TIME_MINUTES="5",
                EXTRA_TRAIN_ARGS=TINY, GEN_ARGS=SHORT, AVG="2")
     start = json.loads((tmp_path / "work" / "checkpoints" / "train.jsonl").read_text().splitlines()[0])
     from conftest import NATIVE_BF16
@@ -49,12 +49,53 @@ def test_multi30k_recipe_smoke(tmp_path):
     assert start["type"] == "start" and start["precision"] == ("bf16" if NATIVE_BF16 else "fp32"), start
     assert "Traceback" not in r.stderr
     out = tmp_path / "work" / "results"
-    for split in ("val", "test_2016_flickr", "test_2017_flickr"):
+    lines = {"val": 1014, "test_2016_flickr": 1000, "test_2017_flickr": 1000, "test_2017_mscoco": 461,
+             "test_2018_flickr": 1071}
+    for split, n in lines.items():
         result = json.loads((out / f"{split}.bleu.json").read_text())
-        assert result["n_lines"] == 1000 if split != "val" else 1014
+        assert result["n_lines"] == n
         assert "13a" in result["signature"]
     assert_png(out / "training_curves.png")
     assert_png(out / "attention_1.png")
+    assert "profile " + start["precision"] in r.stderr  # the hardware's choice is printed
+
+
+def test_multi30k_recipe_reverse_direction(tmp_path):
+    """The same recipe for another pair: German -> English, only the SRC/TGT knobs change."""
+    run_recipe("multi30k", tmp_path, "multi30k", SRC="de", TGT="en", TRAIN_LINES="300", MAX_UPDATE="2",
+               MAX_TIME_MINUTES="5", EXTRA_TRAIN_ARGS=TINY, GEN_ARGS=SHORT, AVG="2")
+    out = tmp_path / "work" / "results"
+    assert (tmp_path / "work" / "data-bin" / "train.de-en.de.bin").exists()
+    refs = (out / "test_2016_flickr.ref.en").read_text().splitlines()
+    assert refs[0] == "A man in an orange hat starring at something."  # English references
+    assert len((out / "test_2016_flickr.hyp.en").read_text().splitlines()) == 1000
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"SRC": "en", "TGT": "xx"}, "no Multi30k data for language 'xx'; SRC and TGT take: cs de en fr"),
+    ({"SRC": "de", "TGT": "de"}, "SRC and TGT are both 'de'"),
+    ({"PROFILE": "fast"}, "PROFILE=fast: use auto, bf16 or fp32"),
+])
+def test_multi30k_recipe_refuses_unknown_pairs(tmp_path, env, message):
+    r = subprocess.run(["bash", str(ROOT / "recipes" / "multi30k" / "run.sh")], cwd=ROOT,
+                       env={**os.environ, "WORK": str(tmp_path / "work"), **env}, capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.startswith(f"multi30k: error: {message}"), r.stderr
+    assert not (tmp_path / "work").exists()  # nothing fetched or written
+
+
+def test_fetch_data_keeps_the_pair_languages(tmp_path):
+    if not (SHARED / "multi30k").is_dir():
+        pytest.skip("no Multi30k data")
+    r = subprocess.run(["python", str(ROOT / "recipes" / "fetch_data.py"),
+                        str(ROOT / "recipes" / "multi30k" / "manifest.tsv"), "--out", str(tmp_path / "raw"),
+                        "--data-dir", str(SHARED / "multi30k"), "--langs", "de,en"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in (tmp_path / "raw").iterdir()) == sorted(
+        p.name for p in (SHARED / "multi30k").glob("*.gz"))
+    r = subprocess.run(["python", str(ROOT / "recipes" / "fetch_data.py"),
+                        str(ROOT / "recipes" / "multi30k" / "manifest.tsv"), "--out", str(tmp_path / "raw"),
+                        "--data-dir", str(SHARED / "multi30k"), "--langs", "en,fr"], capture_output=True, text=True)
+    assert r.returncode == 1 and "train.fr.gz: missing" in r.stderr  # fr is listed, only not on this machine
 
 
 @pytest.mark.precision
@@ -90,7 +131,7 @@ def test_corrupted_data_file_is_reported_with_both_checksums(tmp_path):
     (bad / "val.de.gz").unlink()
     (bad / "val.de.gz").write_bytes(b"not gzip at all")
     r = subprocess.run(["python", str(ROOT / "recipes" / "fetch_data.py"),
-                        str(ROOT / "recipes" / "multi30k_en_de" / "manifest.tsv"), "--out", str(tmp_path / "raw"),
+                        str(ROOT / "recipes" / "multi30k" / "manifest.tsv"), "--out", str(tmp_path / "raw"),
                         "--data-dir", str(bad)], capture_output=True, text=True)
     assert r.returncode == 1
     line = next(ln for ln in r.stderr.splitlines() if "error" in ln)
