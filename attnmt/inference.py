@@ -37,6 +37,7 @@ class InferenceBundle:
     arch: str = ""
     num_updates: int | None = None
     data: checkpoint.DataSection | None = field(default=None, repr=False)
+    remove_bpe: str | None = None  # fairseq's --remove-bpe SYMBOL, for text segmented outside attnmt
 
     @property
     def symbols(self) -> Symbols:
@@ -63,6 +64,26 @@ class InferenceBundle:
 
     def source_pieces(self, ids) -> str:
         return self.src_dict.string(ids)
+
+    def hypothesis_pieces(self, pieces: str) -> str:
+        """What the ``H-`` line of ``--format fairseq`` shows: the pieces, without markers under ``--remove-bpe``."""
+        return self.tgt_pipeline.bpe.decode(pieces) if self.remove_bpe else pieces
+
+    def with_remove_bpe(self, symbol: str | None) -> str | None:
+        """Apply fairseq's ``--remove-bpe SYMBOL`` to the text this bundle decodes; the note to print, if any.
+
+        It matters for a model trained on text segmented outside attnmt (preprocessed with ``--bpe none``). A model
+        with attnmt's own subword model already outputs words, so the option then changes nothing.
+        """
+        if symbol is None:
+            return None
+        if self.tgt_pipeline.merges_subwords():
+            return (f"--remove-bpe {symbol.strip()}: {self.path.name} carries its own subword model, whose decoding "
+                    f"already merges subwords; the option changes nothing")
+        self.remove_bpe = symbol
+        self.src_pipeline = self.src_pipeline.removing_markers(symbol)
+        self.tgt_pipeline = self.tgt_pipeline.removing_markers(symbol)
+        return None
 
 
 def model_from_checkpoint(ckpt: dict, src_dict, tgt_dict, path: Path) -> EncoderDecoderModel:

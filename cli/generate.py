@@ -49,6 +49,17 @@ def configs(params: dict) -> tuple[SearchConfig, GenerationConfig]:
     return search_config({k: v for k, v in given.items() if k not in gen_names}), gen
 
 
+def remove_bpe_option(command):
+    """fairseq's ``--remove-bpe [SYMBOL]`` (and its newer name ``--post-process``), for generate and translate."""
+    return click.option(
+        "--remove-bpe", "--post-process", "remove_bpe", is_flag=False, flag_value="@@ ", default=None,
+        metavar="[SYMBOL]",
+        help="For a model trained on text segmented outside attnmt (preprocess --bpe none): a bare --remove-bpe "
+             "joins subword-nmt's '@@ ' pieces, --remove-bpe=sentencepiece merges SentencePiece pieces, another "
+             "SYMBOL is removed with what follows it (fairseq's meaning). Models with attnmt's own subword model "
+             "output words without it.")(command)
+
+
 def _binarized_split(bundle, data_bin: str, subset: str):
     """(source id lists, reference texts or None, source texts) of split ``subset`` of ``data_bin``."""
     from attnmt.data.indexed import IndexedDataset, exists
@@ -85,7 +96,8 @@ def _binarized_split(bundle, data_bin: str, subset: str):
               help="plain: one translation per line; fairseq: S-/T-/H-/D-/P- lines.")
 @click.option("--output", metavar="FILE", help="Write here (atomically) instead of stdout.")
 @click.option("--quiet", is_flag=True, help="No progress and no summary on stderr.")
-def command(data_bin, path, gen_subset, input_path, fmt, output, quiet, **params):
+@remove_bpe_option
+def command(data_bin, path, gen_subset, input_path, fmt, output, quiet, remove_bpe, **params):
     """Translate DATA_BIN's --gen-subset, or raw text with --input, with the checkpoint --path.
 
     \b
@@ -112,6 +124,9 @@ def command(data_bin, path, gen_subset, input_path, fmt, output, quiet, **params
 
     configure_process("generate", gen_cfg.device)  # allocator settings for decoding (attnmt/backends)
     bundle, generator = load_generator(path, search_cfg, gen_cfg)
+    note = bundle.with_remove_bpe(remove_bpe)
+    if note and not quiet:
+        click.echo(f"attnmt generate: {note}", err=True)
     try:
         if input_path is not None:
             where = "stdin" if input_path == "-" else input_path
@@ -136,6 +151,7 @@ def command(data_bin, path, gen_subset, input_path, fmt, output, quiet, **params
         generator.close()
     if not quiet:
         click.echo(f"attnmt generate: {generator.stats.summary(time.perf_counter() - start)}", err=True)
+        click.echo(f"attnmt generate: search: {search_cfg.describe()}", err=True)
 
 
 add_options(command, [*search_option_classes(), GenerationConfig])

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import click
 
-from attnmt.cli.generate import search_option_classes
+from attnmt.cli.generate import remove_bpe_option, search_option_classes
 from attnmt.config import add_options
 from attnmt.errors import UserError
 from attnmt.generation.generator import GenerationConfig
@@ -84,7 +84,8 @@ def line_batches(stream, limit: int) -> Iterator[list[str]]:
 @click.option("--format", "fmt", type=click.Choice(["plain", "fairseq"]), default="plain", show_default=True,
               help="plain: one translation per line; fairseq: S-/H-/D-/P- lines.")
 @click.option("--quiet", is_flag=True, help="No summary on stderr.")
-def command(path, buffer_size, fmt, quiet, **params):
+@remove_bpe_option
+def command(path, buffer_size, fmt, quiet, remove_bpe, **params):
     """Translate raw sentences from stdin (one per line) to stdout with the checkpoint --path.
 
     \b
@@ -100,6 +101,9 @@ def command(path, buffer_size, fmt, quiet, **params):
     search_cfg, gen_cfg = configs(params)
     configure_process("generate", gen_cfg.device)  # allocator settings for decoding (attnmt/backends)
     bundle, generator = load_generator(path, search_cfg, gen_cfg)
+    note = bundle.with_remove_bpe(remove_bpe)
+    if note and not quiet:
+        click.echo(f"attnmt translate: {note}", err=True)
     if sys.stdin.isatty() and not quiet:
         click.echo(f"attnmt translate: {bundle.source_lang}->{bundle.target_lang}, type a sentence per line "
                    f"(Ctrl-D ends)", err=True)
@@ -117,6 +121,7 @@ def command(path, buffer_size, fmt, quiet, **params):
         generator.close()
     if not quiet:
         click.echo(f"attnmt translate: {generator.stats.summary(time.perf_counter() - start)}", err=True)
+        click.echo(f"attnmt translate: search: {search_cfg.describe()}", err=True)
 
 
 add_options(command, [*search_option_classes(), GenerationConfig])

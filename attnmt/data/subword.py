@@ -285,6 +285,37 @@ class NoBPE(SubwordModel):
         return b""
 
 
+# ----------------------------------------------------------------------------------------------- --remove-bpe
+
+# fairseq's names for the continuation marker of subword-nmt BPE
+_MARKER_ALIASES = {"subword_nmt": "@@ ", "@@": "@@ "}
+
+
+def remove_bpe(pieces: str, symbol: str) -> str:
+    """fairseq's ``--remove-bpe SYMBOL`` (its ``post_process``) on space-separated pieces.
+
+    ``sentencepiece``: drop the spaces, then U+2581 marks the word starts; ``subword_nmt`` (or ``@@ ``, the value of
+    a bare ``--remove-bpe``): join ``piece@@ next``; any other symbol is removed with what follows it, as fairseq does.
+    """
+    if symbol == "none":
+        return pieces
+    if symbol == "sentencepiece":
+        return pieces.replace(" ", "").replace("\u2581", " ").strip()
+    marker = _MARKER_ALIASES.get(symbol, symbol)
+    return (pieces + " ").replace(marker, "").rstrip()
+
+
+class MarkedPieces(NoBPE):
+    """Text segmented outside attnmt (a data-bin of subword-nmt or SentencePiece pieces): encoding keeps the pieces,
+    decoding removes the markers as ``--remove-bpe SYMBOL`` says."""
+
+    def __init__(self, symbol: str):
+        self.symbol = symbol
+
+    def decode(self, pieces: str) -> str:
+        return remove_bpe(" ".join(pieces.split()), self.symbol)
+
+
 # ----------------------------------------------------------------------------------------------- pipeline
 
 
@@ -312,6 +343,14 @@ class TextPipeline:
 
     def decode(self, pieces: str) -> str:
         return self.tokenizer.decode(self.bpe.decode(pieces))
+
+    def merges_subwords(self) -> bool:
+        """Whether ``decode`` already turns pieces into words (a subword model of attnmt's, or ``--remove-bpe``)."""
+        return type(self.bpe) is not NoBPE
+
+    def removing_markers(self, symbol: str) -> TextPipeline:
+        """This pipeline for text segmented outside attnmt, decoded as ``--remove-bpe SYMBOL`` says."""
+        return TextPipeline(self.tokenizer, MarkedPieces(symbol), lowercase=self.lowercase)
 
     @classmethod
     def from_data_dir(cls, data_dir: str | os.PathLike, lang: str) -> TextPipeline:

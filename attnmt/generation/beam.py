@@ -88,12 +88,12 @@ def beam_search(model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: Ten
         if bool(fin.any()):
             local, c = fin.nonzero(as_tuple=True)
             finalize(finished, kth_best, sent_ids, local, local * K + beam_i[local, c], tokens, pos_scores, step,
-                      top_lp[local, c], top_s[local, c], cfg.lenpen, sym.eos)
+                      top_lp[local, c], top_s[local, c], cfg.length_penalty, sym.eos)
         C = top_s.size(1)
         sel = (is_eos.long() * C + torch.arange(C, device=dev)).topk(K, dim=1, largest=False).indices
         new_s, new_tok, new_lp = top_s.gather(1, sel), tok.gather(1, sel), top_lp.gather(1, sel)
         src_rows = (arange_a * K)[:, None] + beam_i.gather(1, sel)
-        done = score_upper_bound(new_s[:, 0], step + 1, max_len, cfg.lenpen, bonus) <= kth_best
+        done = score_upper_bound(new_s[:, 0], step + 1, max_len, cfg.length_penalty, bonus) <= kth_best
         if beam_stop:  # fairseq's rule: `beam` EOS hypotheses ranked among the `beam` best extensions
             top_eos += fin[:, :K].sum(dim=1)
             done |= top_eos >= K
@@ -150,10 +150,10 @@ def greedy_search(model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: T
         if bool(fin.any()):
             local, c = fin.nonzero(as_tuple=True)
             finalize(finished, kth_best, sent_ids, local, local, tokens, pos_scores, step, top_lp[local, c],
-                      top_s[local, c], cfg.lenpen, sym.eos)
+                      top_s[local, c], cfg.length_penalty, sym.eos)
         pick = is_eos[:, :1].long()  # the first non-EOS of the two
         new_s, new_tok, new_lp = top_s.gather(1, pick)[:, 0], top_i.gather(1, pick)[:, 0], top_lp.gather(1, pick)[:, 0]
-        done = score_upper_bound(new_s, step + 1, max_len, cfg.lenpen, bonus) <= kth_best
+        done = score_upper_bound(new_s, step + 1, max_len, cfg.length_penalty, bonus) <= kth_best
         if beam_stop:  # fairseq's rule with beam 1: EOS is the best extension
             done |= fin[:, 0]
         if bool(done.any()):

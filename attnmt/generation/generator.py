@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -218,13 +219,17 @@ class Generator:
 # ------------------------------------------------------------------------------------------------ output
 
 
+LN2 = math.log(2.0)  # fairseq prints log-probabilities in base 2
+
+
 def format_result(index: int, hyps: list[Hypothesis], bundle, fmt: str, source: str | None = None,
                   reference: str | None = None) -> list[str]:
     """Output lines for one sentence.
 
     ``plain``: the detokenized hypotheses (one line each; one per sentence unless ``--nbest`` > 1).
     ``fairseq``: ``S-i`` source, ``T-i`` reference (when known), then per hypothesis ``H-i score pieces``,
-    ``D-i score text`` and ``P-i`` the per-token log-probabilities (natural log, final EOS included).
+    ``D-i score text`` and ``P-i`` the per-token log-probabilities (final EOS included), in base 2 as fairseq
+    prints them, so that they compare with a fairseq run's lines.
     """
     lines = []
     if fmt == "fairseq":
@@ -236,9 +241,10 @@ def format_result(index: int, hyps: list[Hypothesis], bundle, fmt: str, source: 
         pieces = bundle.target_pieces(h.tokens)
         text = bundle.detokenize(pieces)
         if fmt == "fairseq":
-            lines.append(f"H-{index}\t{h.score:.6f}\t{pieces}")
-            lines.append(f"D-{index}\t{h.score:.6f}\t{text}")
-            lines.append(f"P-{index}\t{' '.join(f'{p:.4f}' for p in h.positional_scores)}")
+            score = h.score / LN2
+            lines.append(f"H-{index}\t{score:.6f}\t{bundle.hypothesis_pieces(pieces)}")
+            lines.append(f"D-{index}\t{score:.6f}\t{text}")
+            lines.append(f"P-{index}\t{' '.join(f'{p / LN2:.4f}' for p in h.positional_scores)}")
         else:
             lines.append(text)
     if not hyps and fmt != "fairseq":

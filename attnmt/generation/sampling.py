@@ -132,7 +132,7 @@ def sample_search(model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: T
         if bool(is_eos.any()):
             rows = is_eos.nonzero(as_tuple=True)[0]
             finalize(finished, unused, row_sent, rows, rows, tokens, pos_scores, step, lp[rows], new_s[rows],
-                      cfg.lenpen, sym.eos)
+                      cfg.length_penalty, sym.eos)
             keep = (~is_eos).nonzero(as_tuple=True)[0]
             if keep.numel() == 0:
                 break

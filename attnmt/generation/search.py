@@ -13,8 +13,9 @@ Scores
         lp(|Y|) = ((5 + |Y|) / 6) ** alpha
 
     ``|Y|`` counts the EOS. alpha = 0 ranks by plain log-probability; larger alpha favours longer outputs. fairseq's
-    ``--lenpen`` divides by ``|Y| ** alpha`` instead; the two agree only at alpha = 0. Log-probabilities are natural
-    logarithms (fairseq prints base 2).
+    ``--lenpen`` divides by ``|Y| ** alpha`` instead (the two agree only at alpha = 0): ``--lenpen-style fairseq``
+    selects it (:class:`LengthPenalty`). Log-probabilities are natural logarithms here; ``--format fairseq`` prints
+    them in base 2, as fairseq does.
 
 Lengths
     A sentence whose source has ``S`` tokens (its EOS included, as the model sees it) may generate at most
@@ -39,7 +40,7 @@ import bisect
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -58,7 +59,11 @@ class SearchConfig:
         "help": "Search strategy (registered: beam, sampling, and any plugin's); see attnmt list."})
     beam: int = field(default=4, metadata={"help": "Beam size; 1 is greedy search. With --sampling: samples drawn per sentence."})
     lenpen: float = field(default=0.6, metadata={
-        "help": "Length penalty alpha: score = logprob / ((5 + length) / 6) ** alpha (GNMT); 0 ranks by logprob."})
+        "help": "Length penalty alpha: score = logprob / ((5 + length) / 6) ** alpha (GNMT, the paper's); 0 ranks by "
+                "logprob. --lenpen-style fairseq divides by length ** alpha instead."})
+    lenpen_style: Literal["gnmt", "fairseq"] = field(default="gnmt", metadata={
+        "help": "gnmt: ((5 + length) / 6) ** alpha, as in the paper (Wu et al. 2016); fairseq: length ** alpha, "
+                "what fairseq's --lenpen means."})
     max_len_a: float = field(default=1.0, metadata={"help": "Generate at most a * source_length + b tokens (a)."})
     max_len_b: int = field(default=50, metadata={"help": "Generate at most a * source_length + b tokens (b)."})
     min_len: int = field(default=1, metadata={"help": "Generate at least this many tokens before the end of sentence."})
@@ -87,6 +92,17 @@ class SearchConfig:
             raise ValueError(f"--no-repeat-ngram-size must not be negative, got {self.no_repeat_ngram_size}")
         if not math.isfinite(self.lenpen):
             raise ValueError(f"--lenpen must be a finite number, got {self.lenpen}")
+        if self.lenpen_style not in LENPEN_STYLES:
+            raise ValueError(f"--lenpen-style must be one of {', '.join(LENPEN_STYLES)}, got {self.lenpen_style!r}")
+
+    @property
+    def length_penalty(self) -> LengthPenalty:
+        return LengthPenalty(self.lenpen, self.lenpen_style)
+
+    def describe(self) -> str:
+        """The search in one line, for the run's summary: strategy, beam and the active scoring formula."""
+        return (f"{self.search} {self.beam}, score = {self.length_penalty.formula()}, at most "
+                f"{self.max_len_a:g} * source + {self.max_len_b} tokens")
 
 
 @dataclass(frozen=True)
@@ -124,6 +140,30 @@ def length_penalty(length, alpha: float):
     return ((5.0 + length) / 6.0) ** alpha
 
 
+LENPEN_STYLES = ("gnmt", "fairseq")
+
+
+@dataclass(frozen=True)
+class LengthPenalty:
+    """``lp(|Y|)``, the divisor of a hypothesis' log-probability: GNMT's (the paper's) or fairseq's ``|Y| ** alpha``.
+
+    Both grow with the length when alpha >= 0 and shrink when alpha < 0, which the early-stopping bound relies on.
+    """
+
+    alpha: float
+    style: str = "gnmt"
+
+    def __call__(self, length):
+        if self.style == "fairseq":
+            return length ** self.alpha
+        return length_penalty(length, self.alpha)
+
+    def formula(self) -> str:
+        if self.style == "fairseq":
+            return f"logprob / length^{self.alpha:g} (fairseq)"
+        return f"logprob / ((5 + length) / 6)^{self.alpha:g} (GNMT)"
+
+
 def max_lengths(src_lengths: Tensor, cfg: SearchConfig, max_target_positions: int | None = None) -> Tensor:
     """Per sentence, the most tokens that may precede the EOS: ``floor(a * S + b)``, at least 1, within the model."""
     lim = torch.floor(src_lengths.double() * cfg.max_len_a + cfg.max_len_b).long().clamp(min=1)
@@ -133,7 +173,8 @@ def max_lengths(src_lengths: Tensor, cfg: SearchConfig, max_target_positions: in
     return lim
 
 
-def score_upper_bound(cum: Tensor, n_tokens: int, max_len: Tensor, alpha: float, bonus: float = 0.0) -> Tensor:
+def score_upper_bound(cum: Tensor, n_tokens: int, max_len: Tensor, penalty: LengthPenalty,
+                      bonus: float = 0.0) -> Tensor:
     """The best final score any completion of live hypotheses can reach (see "Early stopping" above).
 
     ``cum``: cumulative log-probabilities (<= 0 unless ``bonus`` > 0) of hypotheses with ``n_tokens`` generated
@@ -142,15 +183,15 @@ def score_upper_bound(cum: Tensor, n_tokens: int, max_len: Tensor, alpha: float,
     """
     first = n_tokens + 1  # shortest completion: EOS right away
     if bonus <= 0.0:
-        if alpha >= 0:
-            lp_max = length_penalty((max_len + 1).to(cum.dtype), alpha)
+        if penalty.alpha >= 0:
+            lp_max = penalty((max_len + 1).to(cum.dtype))
         else:
-            lp_max = torch.full_like(cum, length_penalty(float(first), alpha))
+            lp_max = torch.full_like(cum, penalty(float(first)))
         return cum / lp_max
     # (cum + (L - first) * bonus) / lp(L) over every reachable length L
     top = int(max_len.max()) + 1
     lengths = torch.arange(first, max(first, top) + 1, device=cum.device, dtype=cum.dtype)
-    cand = (cum[:, None] + (lengths - first) * bonus) / length_penalty(lengths, alpha)
+    cand = (cum[:, None] + (lengths - first) * bonus) / penalty(lengths)
     cand = cand.masked_fill(lengths[None, :] > (max_len + 1)[:, None].to(cum.dtype), NEG_INF)
     return cand.max(dim=1).values
 
@@ -318,7 +359,7 @@ class Finished:
 
 
 def finalize(finished: Finished, kth_best: Tensor, sent_ids: list[int], local: Tensor, rows: Tensor,
-              tokens: Tensor, pos_scores: Tensor, step: int, eos_lp: Tensor, cum: Tensor, alpha: float,
+              tokens: Tensor, pos_scores: Tensor, step: int, eos_lp: Tensor, cum: Tensor, penalty: LengthPenalty,
               eos: int) -> None:
     """Finish the prefixes in ``rows`` (``step`` tokens each) with EOS.
 
@@ -328,7 +369,7 @@ def finalize(finished: Finished, kth_best: Tensor, sent_ids: list[int], local: T
     """
     toks = tokens[rows, 1:step + 1].tolist()
     ps = pos_scores[rows, :step].tolist()
-    final = (cum / length_penalty(float(step + 1), alpha)).tolist()
+    final = (cum / penalty(float(step + 1))).tolist()
     eos_lps = eos_lp.tolist()
     updates: dict[int, float] = {}
     for m, a in enumerate(local.tolist()):

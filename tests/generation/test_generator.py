@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
 import random
 import shutil
@@ -185,6 +186,11 @@ def library_translations(ckpt, lines, **search) -> list[str]:
     return out
 
 
+def library_hypotheses(ckpt, lines, **search):
+    bundle, gen = _load(ckpt, **search)
+    return [hyps for _, hyps in gen.generate(bundle.encode_sources(lines))]
+
+
 def test_cli_generate_raw_input_plain_and_fairseq(ckpt, tmp_path):
     stdin = "\n".join(SENTENCES) + "\n"
     plain, err = run_cli(["generate", "--path", str(ckpt), "--input", "-", "--max-len-b", "12", "--max-tokens", "30"],
@@ -207,6 +213,9 @@ def test_cli_generate_raw_input_plain_and_fairseq(ckpt, tmp_path):
         assert float(mine[1][1]) >= float(mine[4][1])
         pos = [float(x) for x in mine[3][1].split()]
         assert float(mine[1][1]) == pytest.approx(sum(pos) / length_penalty(len(pos), 0.6), abs=1e-3)
+    best = library_hypotheses(ckpt, SENTENCES[:1])[0][0]  # printed in base 2, as fairseq prints them
+    first = [r for r in rows if r[0] == "H-0"][0]
+    assert float(first[1]) == pytest.approx(best.score / math.log(2), abs=1e-5)
 
     # --output writes the same text atomically
     out = tmp_path / "hyp.txt"

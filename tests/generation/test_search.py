@@ -10,7 +10,7 @@ import torch
 
 from attnmt.generation.beam import BeamSearchConfig, beam_search, greedy_search
 from attnmt.generation.sampling import SamplingConfig, sample_search
-from attnmt.generation.search import SearchConfig, Symbols, length_penalty, score_upper_bound, search
+from attnmt.generation.search import LengthPenalty, SearchConfig, Symbols, length_penalty, score_upper_bound, search
 
 BOS, PAD, EOS, UNK = 0, 1, 2, 3
 SYM = Symbols(eos=EOS, pad=PAD, unk=UNK, bos=BOS)
@@ -94,7 +94,7 @@ def batch(sources: list[list[int]]):
 
 
 def exhaustive(model: TableModel, src: list[int], words: list[int], max_len: int, min_len: int, alpha: float,
-               unkpen: float = 0.0):
+               unkpen: float = 0.0, style: str = "gnmt"):
     """Every output of 1..max_len words + EOS, scored as documented, best first."""
     out = []
     for n in range(min_len, max_len + 1):
@@ -102,7 +102,8 @@ def exhaustive(model: TableModel, src: list[int], words: list[int], max_len: int
             toks = list(seq) + [EOS]
             lps = model.sequence_lprobs(src, toks)
             lps = [lp - unkpen if t == UNK else lp for t, lp in zip(toks, lps)]
-            out.append((sum(lps) / length_penalty(len(toks), alpha), toks))
+            lp = ((5 + len(toks)) / 6) ** alpha if style == "gnmt" else len(toks) ** alpha  # as documented
+            out.append((sum(lps) / lp, toks))
     out.sort(key=lambda x: -x[0])
     return out
 
@@ -110,15 +111,16 @@ def exhaustive(model: TableModel, src: list[int], words: list[int], max_len: int
 SOURCES = [[5, 4, 4, EOS], [4, EOS], [3, 5, 5, 4, 5, EOS]]
 
 
+@pytest.mark.parametrize("style", ["gnmt", "fairseq"])
 @pytest.mark.parametrize("alpha", [0.0, 0.6, 1.0, 2.5, -0.5])
-def test_beam_search_equals_exhaustive_search(alpha):
+def test_beam_search_equals_exhaustive_search(alpha, style):
     model = TableModel(seed=1)
     nbest = 5
     # a beam this wide keeps every prefix, so the only thing that can go wrong is the scoring or the early stop
-    cfg = SearchConfig(beam=64, nbest=nbest, lenpen=alpha, max_len_a=0, max_len_b=4, min_len=1)
+    cfg = SearchConfig(beam=64, nbest=nbest, lenpen=alpha, lenpen_style=style, max_len_a=0, max_len_b=4, min_len=1)
     hyps = beam_search(model, *batch(SOURCES), cfg, SYM)
     for src, got in zip(SOURCES, hyps):
-        want = exhaustive(model, src, [UNK, 4, 5], max_len=4, min_len=1, alpha=alpha)[:nbest]
+        want = exhaustive(model, src, [UNK, 4, 5], max_len=4, min_len=1, alpha=alpha, style=style)[:nbest]
         assert [h.tokens for h in got] == [w[1] for w in want]
         assert [h.score for h in got] == pytest.approx([w[0] for w in want], rel=1e-5)
 
@@ -161,17 +163,23 @@ def test_length_penalty_formula():
     assert length_penalty(1, 0.6) == pytest.approx(1.0)
     assert length_penalty(7, 0.6) == pytest.approx(2.0 ** 0.6)
     assert length_penalty(10, 0.0) == 1.0
+    assert LengthPenalty(0.6, "fairseq")(7) == pytest.approx(7 ** 0.6)  # fairseq's --lenpen
+    assert LengthPenalty(0.6)(7) == pytest.approx(2.0 ** 0.6)
+    assert "((5 + length) / 6)^0.6" in SearchConfig().length_penalty.formula()
+    assert "length^1 (fairseq)" in SearchConfig(lenpen=1.0, lenpen_style="fairseq").length_penalty.formula()
+    with pytest.raises(ValueError, match="--lenpen-style must be one of gnmt, fairseq"):
+        SearchConfig(lenpen_style="marian")
 
 
 def test_score_upper_bound_is_a_bound_and_tight():
     cum = torch.tensor([-3.0, -0.5, 0.0])
     max_len = torch.tensor([10, 4, 6])
-    b = score_upper_bound(cum, 2, max_len, 0.6)
+    b = score_upper_bound(cum, 2, max_len, LengthPenalty(0.6))
     assert b.tolist() == pytest.approx([-3.0 / length_penalty(11, 0.6), -0.5 / length_penalty(5, 0.6), 0.0])
     # alpha < 0: the shortest completion (EOS next) is the best case
-    assert score_upper_bound(cum, 2, max_len, -0.5).tolist() == pytest.approx((cum / length_penalty(3, -0.5)).tolist())
+    assert score_upper_bound(cum, 2, max_len, LengthPenalty(-0.5)).tolist() == pytest.approx((cum / length_penalty(3, -0.5)).tolist())
     # with a reward of 1 per token the best completion is the longest one here
-    assert float(score_upper_bound(torch.tensor([-3.0]), 2, torch.tensor([10]), 0.0, bonus=1.0)) == pytest.approx(5.0)
+    assert float(score_upper_bound(torch.tensor([-3.0]), 2, torch.tensor([10]), LengthPenalty(0.0), bonus=1.0)) == pytest.approx(5.0)
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.6, 2.0])
