@@ -42,11 +42,17 @@ LAST = "checkpoint_last.pt"
 BEST = "checkpoint_best.pt"
 EPOCH_PATTERN = re.compile(r"^checkpoint(\d+)\.pt$")  # checkpoint{epoch}.pt
 UPDATE_PATTERN = re.compile(r"^checkpoint_(\d+)_(\d+)\.pt$")  # checkpoint_{epoch}_{updates}.pt
+BEST_N_PATTERN = re.compile(r"^checkpoint\.best_([a-z_]+)_(-?[\d.]+)\.pt$")  # --keep-best-checkpoints (fairseq's)
 BUNDLE_FILE = "model.pt"  # a model directory's checkpoint (``--path DIR``)
 
 
 def epoch_name(epoch: int) -> str:
     return f"checkpoint{epoch}.pt"
+
+
+def best_n_name(metric: str, value: float) -> str:
+    """The name of one of the ``--keep-best-checkpoints`` N best (fairseq's)."""
+    return f"checkpoint.best_{metric}_{value:.2f}.pt"
 
 
 def interval_name(epoch: int, num_updates: int) -> str:

@@ -151,6 +151,10 @@ def click_options(cls, skip: tuple[str, ...] = ()) -> list[click.Option]:
         elif base is bool:
             decls = [f"{option_name(name)}/--no-{name.replace('_', '-')}", name]
             opts.append(click.Option(decls, default=None, help=_help(f, None)))
+        elif "flag_value" in f.metadata:  # an option whose value may be left out: --remove-bpe [SYMBOL]
+            opts.append(click.Option([*decls, name], type=_click_type(tp), is_flag=False,
+                                     flag_value=f.metadata["flag_value"], default=None, help=_help(f, None),
+                                     metavar=f.metadata.get("metavar")))
         else:
             opts.append(click.Option([*decls, name], type=_click_type(tp), default=None, help=_help(f, None),
                                      metavar=f.metadata.get("metavar")))

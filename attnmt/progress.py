@@ -58,10 +58,19 @@ def _record_update(line: str) -> int:
         return 0
 
 
-class RunLog:
-    """Progress on stderr (a rich bar on a terminal, plain lines otherwise) and JSON lines in ``train.jsonl``."""
+def timestamp() -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S")
 
-    def __init__(self, jsonl: Path | None, mode: str, total: int | None, done: int, enabled: bool = True):
+
+class RunLog:
+    """Progress on stderr and JSON lines in ``train.jsonl``; optionally a log file and TensorBoard scalars.
+
+    Modes: ``bar`` (a rich bar on a terminal), ``lines`` (plain lines), ``simple`` (plain lines with timestamps),
+    ``json`` (the records themselves, one JSON object per line, plus the informational lines), ``none``.
+    """
+
+    def __init__(self, jsonl: Path | None, mode: str, total: int | None, done: int, enabled: bool = True,
+                 log_file: str | None = None, tensorboard_dir: str | None = None):
         from rich.console import Console
 
         self.console = Console(stderr=True, highlight=False)
@@ -70,16 +79,33 @@ class RunLog:
         self.mode = mode if enabled else "none"
         self.jsonl_path = jsonl if enabled else None  # opened on the first record: a failed start writes nothing
         self.jsonl = None
+        self.log_file = open(log_file, "a", encoding="utf-8") if log_file and enabled else None  # noqa: SIM115
+        self.tensorboard = _summary_writer(tensorboard_dir) if tensorboard_dir and enabled else None
         self.bar = None
         if self.mode == "bar":
             self.bar = rich_bar(remaining=True, stats=True, transient=False, console=self.console)
             self.task_id = self.bar.add_task("train", total=total, completed=done, stats="")
 
-    def info(self, text: str) -> None:
+    def _print(self, text: str) -> None:
         if self.mode != "none":
-            self.console.print(text, markup=False, soft_wrap=True)
+            shown = f"{timestamp()} | {text}" if self.mode == "simple" else text
+            self.console.print(shown, markup=False, soft_wrap=True)
+        if self.log_file is not None:
+            self.log_file.write(f"{timestamp()} | {text}\n")
+            self.log_file.flush()
+
+    def info(self, text: str) -> None:
+        self._print(text)
 
     def record(self, obj: dict) -> None:
+        if self.mode == "json":
+            self._print(json.dumps(obj, sort_keys=False))
+        if self.tensorboard is not None and obj.get("type") in ("train", "valid") and "num_updates" in obj:
+            tag = obj["type"] if obj["type"] == "train" else f"valid/{obj.get('subset', 'valid')}"
+            for k, v in obj.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("num_updates", "epoch"):
+                    self.tensorboard.add_scalar(f"{tag}/{k}", v, obj["num_updates"])
+            self.tensorboard.flush()
         if self.jsonl_path is None:
             return
         if self.jsonl is None:
@@ -105,18 +131,41 @@ class RunLog:
             self.bar.update(self.task_id, completed=num_updates, description=f"ep {epoch}",
                             **({"stats": stats} if stats else {}))
 
-    def line(self, text: str, compact: str) -> None:
-        """A log line: printed in plain-lines mode; its ``compact`` form is shown next to the bar otherwise."""
-        if self.mode == "lines":
-            self.info(text)
-        elif self.bar is not None:
+    def line(self, text: str, compact: str | None) -> None:
+        """A figures line (its record is logged too): printed in the plain modes, and under the bar unless it has a
+        ``compact`` form to show next to the bar; in json mode the record stands for it."""
+        if self.mode == "json":
+            if self.log_file is not None:
+                self.log_file.write(f"{timestamp()} | {text}\n")
+            return
+        if self.bar is not None and compact is not None:
             self.bar.update(self.task_id, stats=compact)
+            if self.log_file is not None:
+                self.log_file.write(f"{timestamp()} | {text}\n")
+            return
+        self._print(text)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
         if self.jsonl is not None:
             self.jsonl.close()
+        if self.log_file is not None:
+            self.log_file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def _summary_writer(logdir: str):
+    """A TensorBoard writer (the optional ``tensorboard`` package), or a one-line error naming the fix."""
+    from attnmt.errors import UserError
+
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise UserError(f"--tensorboard-logdir {logdir}: the tensorboard package is not installed; pip install "
+                        f"'attnmt[tensorboard]' (or tensorboard), or drop the option") from None
+    return SummaryWriter(logdir)
 
 
 class SentenceProgress:

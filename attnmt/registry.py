@@ -59,6 +59,10 @@ class Registry:
 
     def get(self, name: str) -> Entry:
         if name not in self.entries:
+            foreign = _foreign_family(self.kind, name)
+            if foreign:
+                raise UserError(f"--{self.kind.replace('_', '-')} {name}: {foreign}, which attnmt does not implement; "
+                                f"attnmt has: {', '.join(self.choices())}")
             raise UserError(
                 f"unknown {self.kind.replace('_', ' ')} '{name}'; valid choices: {', '.join(self.choices()) or '(none registered)'}"
             )
@@ -69,6 +73,30 @@ class Registry:
 
 
 REGISTRIES: dict[str, Registry] = {k: Registry(k) for k in KINDS}
+
+# fairseq's other model families and tasks, named when a fairseq command line asks for one
+_FAIRSEQ_FAMILIES = {
+    "arch": (("fconv", "a fairseq convolutional model (Gehring et al. 2017)"),
+             ("lightconv", "a fairseq lightweight-convolution model"), ("dynamicconv", "a fairseq dynamic-convolution model"),
+             ("lstm", "a fairseq LSTM model"), ("multilingual_transformer", "a fairseq multilingual model"),
+             ("transformer_align", "a fairseq alignment model"), ("transformer_lm", "a fairseq language model"),
+             ("bart", "a fairseq pretrained BART model"), ("mbart", "a fairseq pretrained mBART model"),
+             ("roberta", "a fairseq RoBERTa model"), ("wav2vec", "a fairseq speech model"),
+             ("s2t", "a fairseq speech-to-text model")),
+    "task": (("multilingual_translation", "fairseq's multilingual task"),
+             ("translation_multi_simple_epoch", "fairseq's multilingual task"),
+             ("language_modeling", "fairseq's language-modelling task")),
+    "optimizer": (("nag", "fairseq's Nesterov SGD for convolutional models"),),
+}
+
+
+def _foreign_family(kind: str, name: str) -> str | None:
+    if kind == "arch" and name.endswith("_align"):
+        return "a fairseq alignment model"
+    for prefix, what in _FAIRSEQ_FAMILIES.get(kind, ()):
+        if name.startswith(prefix):
+            return what
+    return None
 
 
 def _first_line(obj: Any) -> str:

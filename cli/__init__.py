@@ -48,6 +48,13 @@ class LazyGroup(click.Group):
             return super().invoke(ctx)
         except BrokenPipeError:  # click's main would turn it into exit 1
             raise _PipeClosed() from None
+        except click.NoSuchOption as e:  # a fairseq option: say what to use instead
+            from attnmt.cli.fairseq_flags import instead
+
+            hint = instead(e.option_name)
+            if hint is None:
+                raise
+            raise click.UsageError(hint, ctx=e.ctx) from None
 
     def list_commands(self, ctx):
         return sorted(COMMANDS)
@@ -56,7 +63,11 @@ class LazyGroup(click.Group):
         if name not in COMMANDS:
             return None
         module = importlib.import_module(f"attnmt.cli.{COMMANDS[name]}")
-        return module.command
+        command = module.command
+        if not any(p.name == "user_dir" for p in command.params):
+            # fairseq puts --user-dir after the command name; the plugins were loaded from the whole command line
+            command.params.append(click.Option(["--user-dir"], multiple=True, expose_value=False, hidden=True))
+        return command
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})

@@ -48,7 +48,38 @@ def _owner(option: str) -> str:
     return ", ".join(owners) or "no component"
 
 
+# attnmt's defaults that fairseq-train does not share: option -> (its field, fairseq's default), printed at the start
+# of a run for those the command line leaves out, so that a fairseq command line's meaning is never a guess
+FAIRSEQ_DEFAULTS = {
+    "--criterion": ("criterion", "cross_entropy"),
+    "--label-smoothing": ("label_smoothing", "0 (cross_entropy)"),
+    "--optimizer": ("optimizer", "none, it must be given"),
+    "--adam-betas": ("adam_betas", "(0.9, 0.999)"),
+    "--adam-eps": ("adam_eps", "1e-08"),
+    "--lr-scheduler": ("lr_scheduler", "fixed"),
+    "--lr": ("lr", "0.25"),
+}
+
+
+def fairseq_default_notice(given: set[str], setup: Setup) -> str | None:
+    """One line naming the defaults in effect that differ from fairseq-train's (None when all were given)."""
+    values = {"criterion": setup.criterion, "optimizer": setup.optimizer, "lr_scheduler": setup.lr_scheduler}
+    for c in (setup.criterion_cfg, setup.optimizer_cfg, setup.lr_scheduler_cfg):
+        if c is not None:
+            values.update(dataclasses.asdict(c))
+    parts = []
+    for option, (name, theirs) in FAIRSEQ_DEFAULTS.items():
+        if name not in given and name in values:
+            value = values[name]
+            value = tuple(value) if isinstance(value, list) else value
+            parts.append(f"{option} {value} (fairseq: {theirs})")
+    if not parts:
+        return None
+    return "defaults that differ from fairseq-train's, in effect: " + ", ".join(parts)
+
+
 def _callback(data_bin: str, arch: str, **params) -> None:
+    given_kinds = {k for k in KIND_OPTION if params.get(k)}
     names = {k: params.pop(k) or DEFAULTS[k] for k in KIND_OPTION}
     env = distributed.Env.from_environ()
     model_name = registry.get("arch", arch).model
@@ -68,6 +99,11 @@ def _callback(data_bin: str, arch: str, **params) -> None:
 
     train_cfg = cfg("train", "attnmt train")
     dist_cfg = cfg("distributed", "attnmt train")
+    if dist_cfg.distributed_port > 0:
+        os.environ.update(distributed.slurm_environ(dist_cfg.distributed_port))
+    if dist_cfg.local_rank is not None and "WORLD_SIZE" in os.environ:
+        os.environ.setdefault("LOCAL_RANK", str(dist_cfg.local_rank))
+    env = distributed.Env.from_environ()
     if dist_cfg.nproc_per_node and "WORLD_SIZE" in os.environ:
         raise UserError(f"--nproc-per-node starts the training processes itself, but this process is already one "
                         f"of {env.world_size} started by a launcher (WORLD_SIZE is set); remove --nproc-per-node, or "
@@ -86,6 +122,9 @@ def _callback(data_bin: str, arch: str, **params) -> None:
         lr_scheduler=names["lr_scheduler"],
         lr_scheduler_cfg=cfg("lr_scheduler", f"--lr-scheduler {names['lr_scheduler']}"),
     )
+    notice = fairseq_default_notice(given_kinds | set(given_options(params)), setup)
+    if notice and env.rank == 0:
+        click.echo(f"attnmt train: {notice}", err=True)
     configure_process("train", "cpu" if train_cfg.cpu else "auto")  # allocator and oneDNN settings (attnmt/backends)
     try:
         summary = train(data_bin, setup, train_cfg, dist_cfg=dist_cfg)

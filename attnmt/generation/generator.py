@@ -33,8 +33,10 @@ class GenerationConfig:
 
     max_tokens: int | None = field(default=4096, metadata={
         "help": "Most padded source tokens per batch (the beam multiplies the work); sentences are length-sorted."})
-    batch_size: int | None = field(default=None, metadata={"help": "Most sentences per batch (none: no limit)."})
+    batch_size: int | None = field(default=None, metadata={"help": "Most sentences per batch (none: no limit).",
+                                                           "aliases": ("--max-sentences",)})
     device: str = field(default="auto", metadata={"help": "auto (cuda when available), cpu, cuda or cuda:N."})
+    cpu: bool = field(default=False, metadata={"help": "fairseq's spelling of --device cpu."})
     precision: Literal["auto", "fp32", "bf16"] = field(default="fp32", metadata={
         "help": "auto: bf16 where the CPU computes it natively (AMX, AVX-512 BF16), fp32 otherwise and on GPUs; "
                 "bf16: the model cast to bfloat16 (an error on a CPU without native bf16); search scores stay "
@@ -59,6 +61,10 @@ class GenerationConfig:
         if self.workers < 1:
             raise ValueError(f"--workers must be positive, got {self.workers}")
         self.precision = requested_precision(self.precision, self.bf16)
+        if self.cpu:
+            if self.device not in ("auto", "cpu"):
+                raise ValueError(f"--cpu and --device {self.device} disagree; give one of them")
+            self.device = "cpu"
         if self.precision == "bf16" and self.quantize != "none":
             raise ValueError("--bf16 and --quantize int8 are alternatives; choose one")
 

@@ -142,6 +142,48 @@ def transformer_small() -> dict:
                 decoder_attention_heads=4, dropout=0.3, share_all_embeddings=True)
 
 
+# fairseq's names for the same models, so that a fairseq command line runs unchanged (fairseq 0.12's presets)
+
+
+@register_arch("transformer_wmt_en_de", model="transformer")
+def transformer_wmt_en_de() -> dict:
+    """fairseq's name for the Transformer base (= transformer)."""
+    return transformer_base()
+
+
+@register_arch("transformer_vaswani_wmt_en_de_big", model="transformer")
+def transformer_vaswani_wmt_en_de_big() -> dict:
+    """fairseq's name for the Transformer big, EN-DE (= transformer_big: dropout 0.3)."""
+    return transformer_big()
+
+
+@register_arch("transformer_vaswani_wmt_en_fr_big", model="transformer")
+def transformer_vaswani_wmt_en_fr_big() -> dict:
+    """fairseq's Transformer big for EN-FR: transformer_big with dropout 0.1 (the paper's EN-FR setting)."""
+    return dict(transformer_big(), dropout=0.1)
+
+
+@register_arch("transformer_wmt_en_de_big", model="transformer")
+def transformer_wmt_en_de_big() -> dict:
+    """fairseq's transformer_wmt_en_de_big: transformer_big with attention dropout 0.1."""
+    return dict(transformer_big(), attention_dropout=0.1)
+
+
+@register_arch("transformer_wmt_en_de_big_t2t", model="transformer")
+def transformer_wmt_en_de_big_t2t() -> dict:
+    """fairseq's transformer_wmt_en_de_big_t2t: pre-norm big, attention and activation dropout 0.1."""
+    return dict(transformer_big(), encoder_normalize_before=True, decoder_normalize_before=True,
+                attention_dropout=0.1, activation_dropout=0.1)
+
+
+@register_arch("transformer_tiny", model="transformer")
+def transformer_tiny() -> dict:
+    """fairseq's transformer_tiny (for tests): 2+2 layers, d 64, d_ff 64, 2 heads."""
+    return dict(transformer_base(), encoder_layers=2, decoder_layers=2, encoder_embed_dim=64, decoder_embed_dim=64,
+                encoder_ffn_embed_dim=64, decoder_ffn_embed_dim=64, encoder_attention_heads=2,
+                decoder_attention_heads=2)
+
+
 # ---------------------------------------------------------------------------- 3.5 positional encoding
 
 

@@ -136,7 +136,8 @@ class TranslationTask:
             if want != cfg.share_all_embeddings:
                 overrides["share_all_embeddings"] = want
                 cfg = arch_config(arch, overrides)
-                notes.append("sharing all embeddings (joined dictionary)" if want else
+                notes.append("sharing all embeddings (joined dictionary; fairseq shares only with "
+                             "--share-all-embeddings, --no-share-all-embeddings turns it off)" if want else
                              "not sharing embeddings: the dictionaries are not joined")
         return model_name, cfg, notes
 

@@ -8,6 +8,10 @@ text, then the Moses detokenizer when preprocessing tokenized): the references a
 targets decoded back to text, i.e. the raw references up to SentencePiece normalisation and unknown pieces.
 The score is sacreBLEU's default (13a tokenization, cased), as ``attnmt score`` reports.
 
+fairseq's options for data segmented outside attnmt: ``--eval-bleu-remove-bpe [SYMBOL]`` removes subword markers,
+``--eval-bleu-detok moses`` then runs the Moses detokenizer of the target language, ``--eval-tokenized-bleu`` scores
+with sacreBLEU's ``tokenize none``; ``--eval-bleu-print-samples`` logs the first sentence's hypothesis and reference.
+
 With several training processes every rank decodes every W-th sentence and the hypotheses are gathered, so
 that each rank scores the whole set (the same BLEU everywhere) for 1/W of the decoding time.
 """
@@ -37,10 +41,25 @@ class BleuValidator:
         n = len(data) if cfg.eval_bleu_max_sentences <= 0 else min(len(data), cfg.eval_bleu_max_sentences)
         self.sources = [data.src[i].astype("int64").tolist() for i in range(n)]
         _, self.tgt_pipeline = task.data_state().pipelines(task.data_bin)
-        self.refs = [self.tgt_pipeline.decode(task.tgt_dict.string(data.tgt[i])) for i in range(n)]
+        if cfg.eval_bleu_remove_bpe is not None and not self.tgt_pipeline.merges_subwords():
+            self.tgt_pipeline = self.tgt_pipeline.removing_markers(cfg.eval_bleu_remove_bpe)
+        self.detok = None
+        if cfg.eval_bleu_detok == "moses":
+            from attnmt.data.subword import build_tokenizer
+
+            self.detok = build_tokenizer("moses", task.tgt_lang)
+        self.tokenize = "none" if cfg.eval_tokenized_bleu else "13a"
+        self.print_samples = cfg.eval_bleu_print_samples
+        self.samples: tuple[str, str] | None = None
+        self.refs = [self.text(task.tgt_dict.string(data.tgt[i])) for i in range(n)]
         self.search_cfg = SearchConfig(beam=cfg.eval_bleu_beam, lenpen=cfg.eval_bleu_lenpen,
                                        max_len_a=cfg.eval_bleu_max_len_a, max_len_b=cfg.eval_bleu_max_len_b)
         self.symbols = Symbols.from_dictionary(task.tgt_dict)
+
+    def text(self, pieces: str) -> str:
+        """Pieces -> the text BLEU is computed on."""
+        text = self.tgt_pipeline.decode(pieces)
+        return self.detok.decode(text) if self.detok is not None else text
 
     def __call__(self, model: torch.nn.Module) -> dict:
         from attnmt.generation.generator import Generator
@@ -56,12 +75,15 @@ class BleuValidator:
             local = {}
             for i, h in gen.generate([self.sources[j] for j in mine], max_tokens=self.max_tokens,
                                      batch_size=self.batch_size, where="validation"):
-                local[mine[i]] = self.tgt_pipeline.decode(self.task.tgt_dict.string(h[0].tokens)) if h else ""
+                local[mine[i]] = self.text(self.task.tgt_dict.string(h[0].tokens)) if h else ""
         finally:
             model.train(was_training)
         hyps = [""] * len(self.sources)
         for part in distributed.all_gather(local):
             for i, text in part.items():
                 hyps[i] = text
-        result = corpus_bleu(hyps, self.refs)
-        return {"bleu": float(result.score), "bleu_sentences": len(hyps), "bleu_seconds": time.perf_counter() - t0}
+        result = corpus_bleu(hyps, self.refs, tokenize=self.tokenize)
+        out = {"bleu": float(result.score), "bleu_sentences": len(hyps), "bleu_seconds": time.perf_counter() - t0}
+        if self.print_samples and hyps:
+            out["sample_hypothesis"], out["sample_reference"] = hyps[0], self.refs[0]
+        return out

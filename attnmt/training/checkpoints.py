@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from attnmt.checkpoint import EPOCH_PATTERN, UPDATE_PATTERN, DataSection
+from attnmt.checkpoint import BEST_N_PATTERN, EPOCH_PATTERN, UPDATE_PATTERN, DataSection
 from attnmt.errors import UserError
 
 # ---------------------------------------------------------------------------------------------------- RNG
@@ -50,17 +50,21 @@ def set_rng_state(state: dict) -> None:
 # ---------------------------------------------------------------------------------------------------- files
 
 
-def prune(save_dir: str | os.PathLike, keep_interval_updates: int, keep_last_epochs: int) -> list[Path]:
-    """Delete old interval / epoch checkpoints beyond the newest N of each kind (negative N keeps all)."""
+def prune(save_dir: str | os.PathLike, keep_interval_updates: int, keep_last_epochs: int,
+          keep_best: int = -1, maximize: bool = False) -> list[Path]:
+    """Delete old interval / epoch checkpoints beyond the newest N of each kind, and ``checkpoint.best_*`` files
+    beyond the ``keep_best`` best (negative N keeps all)."""
     save_dir = Path(save_dir)
     removed: list[Path] = []
-    interval, epochs = [], []
+    interval, epochs, best = [], [], []
     for p in save_dir.iterdir():
         if m := UPDATE_PATTERN.match(p.name):
             interval.append(((int(m.group(2)), int(m.group(1))), p))
         elif m := EPOCH_PATTERN.match(p.name):
             epochs.append((int(m.group(1)), p))
-    for keep, items in ((keep_interval_updates, interval), (keep_last_epochs, epochs)):
+        elif m := BEST_N_PATTERN.match(p.name):
+            best.append((float(m.group(2)) if maximize else -float(m.group(2)), p))
+    for keep, items in ((keep_interval_updates, interval), (keep_last_epochs, epochs), (keep_best, best)):
         if keep < 0:
             continue
         items.sort(key=lambda kv: kv[0], reverse=True)

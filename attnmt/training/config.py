@@ -15,7 +15,11 @@ class TrainConfig:
     # batching
     max_tokens: int | None = field(default=4096, metadata={
         "help": "max PADDED tokens per batch per process: n_sentences * max(src_len, tgt_len)"})
-    batch_size: int | None = field(default=None, metadata={"help": "max sentences per batch (optional cap)"})
+    batch_size: int | None = field(default=None, metadata={"help": "max sentences per batch (optional cap)",
+                                                           "aliases": ("--max-sentences",)})
+    skip_invalid_size_inputs_valid_test: bool = field(default=False, metadata={
+        "help": "accepted for fairseq command lines: attnmt always skips, and reports, pairs longer than the model "
+                "takes"})
     required_batch_size_multiple: int = field(default=8, metadata={
         "help": "full batches hold a multiple of this many sentences (friendlier matrix shapes)"})
     update_freq: int = field(default=1, metadata={"help": "accumulate gradients over N batches per update"})
@@ -51,6 +55,16 @@ class TrainConfig:
         "help": "keep only the newest N update-interval checkpoints (-1: all)"})
     keep_last_epochs: int = field(default=-1, metadata={"help": "keep only the newest N epoch checkpoints (-1: all)"})
     no_epoch_checkpoints: bool = field(default=False, metadata={"help": "do not write checkpointEPOCH.pt files"})
+    no_last_checkpoints: bool = field(default=False, metadata={
+        "help": "do not write checkpoint_last.pt (a stopped run then cannot resume)"})
+    no_save: bool = field(default=False, metadata={"help": "write no checkpoint at all"})
+    keep_best_checkpoints: int = field(default=-1, metadata={
+        "help": "also keep the N best checkpoints by --best-checkpoint-metric, as "
+                "checkpoint.best_METRIC_VALUE.pt (-1: off)"})
+    restore_file: str = field(default="checkpoint_last.pt", metadata={
+        "help": "resume from this file: the default is SAVE_DIR/checkpoint_last.pt; another path is loaded whole "
+                "(weights, optimizer, schedule, data position; see the --reset-* options) when SAVE_DIR holds no "
+                "checkpoint_last.pt yet"})
     best_checkpoint_metric: str = field(default="loss", metadata={
         "help": "validation metric that picks checkpoint_best.pt: loss, nll_loss, ppl or bleu (needs --eval-bleu)"})
     maximize_best_checkpoint_metric: bool = field(default=False, metadata={
@@ -67,17 +81,41 @@ class TrainConfig:
     eval_bleu_max_len_b: int = field(default=50, metadata={"help": "--eval-bleu max length = a * src_len + b"})
     eval_bleu_max_sentences: int = field(default=0, metadata={
         "help": "decode only the first N validation sentences for --eval-bleu (0: all)"})
+    eval_bleu_args: str | None = field(default=None, metadata={
+        "help": "fairseq's JSON form of the --eval-bleu search: keys beam, lenpen, max_len_a, max_len_b (e.g. "
+                "'{\"beam\": 5, \"max_len_a\": 1.2, \"max_len_b\": 10}')", "metavar": "JSON"})
+    eval_bleu_detok: Literal["data", "moses", "space"] = field(default="data", metadata={
+        "help": "how --eval-bleu turns pieces into text: data (the pipeline attnmt preprocess recorded), moses (also "
+                "the Moses detokenizer, for text tokenized outside attnmt), space (none)"})
+    eval_bleu_remove_bpe: str | None = field(default=None, metadata={
+        "help": "remove subword markers before --eval-bleu scores (fairseq's meaning; a bare flag: '@@ ')",
+        "flag_value": "@@ ", "metavar": "[SYMBOL]"})
+    eval_tokenized_bleu: bool = field(default=False, metadata={
+        "help": "--eval-bleu on the text as it is (sacreBLEU tokenize none) instead of 13a"})
+    eval_bleu_print_samples: bool = field(default=False, metadata={
+        "help": "log one hypothesis and its reference at each --eval-bleu validation"})
     # resume
     reset_optimizer: bool = field(default=False, metadata={"help": "resume with fresh optimizer state"})
     reset_lr_scheduler: bool = field(default=False, metadata={
         "help": "resume with the LR schedule started again (warm-up from the current update)"})
     reset_dataloader: bool = field(default=False, metadata={"help": "resume from epoch 1, batch 0"})
+    reset_meters: bool = field(default=False, metadata={
+        "help": "accepted for fairseq command lines: attnmt's meters always start afresh with each run"})
     finetune_from: str | None = field(default=None, metadata={
         "help": "start from this checkpoint's weights only (ignored when SAVE_DIR/checkpoint_last.pt exists)"})
     # output
     log_interval: int = field(default=100, metadata={"help": "log training figures every N updates"})
-    progress: Literal["auto", "bar", "lines", "none"] = field(default="auto", metadata={
-        "help": "progress display on stderr: auto (bar on a terminal, lines otherwise), bar, lines, none"})
+    progress: Literal["auto", "bar", "lines", "simple", "json", "none"] = field(default="auto", metadata={
+        "help": "progress display on stderr: auto (bar on a terminal, lines otherwise), bar, lines, simple (lines "
+                "with timestamps), json (the train.jsonl records), none"})
+    log_format: Literal["simple", "json", "tqdm", "none"] | None = field(default=None, metadata={
+        "help": "fairseq's spelling of --progress: simple, json, tqdm (= bar), none"})
+    no_progress_bar: bool = field(default=False, metadata={"help": "fairseq's spelling of --progress simple"})
+    log_file: str | None = field(default=None, metadata={
+        "help": "also append every log line, with a timestamp, to this file"})
+    tensorboard_logdir: str | None = field(default=None, metadata={
+        "help": "also write the train and valid figures as TensorBoard scalars here (needs the tensorboard "
+                "package: pip install 'attnmt[tensorboard]')"})
     world_size: int = field(default=1, metadata={"help": "number of training processes", "cli": False})
     rank: int = field(default=0, metadata={"help": "this process's rank", "cli": False})
     local_rank: int = field(default=0, metadata={"help": "this process's rank on its machine (its GPU)", "cli": False})
@@ -106,6 +144,14 @@ class TrainConfig:
             if getattr(self, name) < -1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= -1 (-1: keep all), got {getattr(self, name)}")
         self.precision = requested_precision(self.precision, self.bf16, self.fp16)
+        if self.log_format is not None:
+            self.progress = {"tqdm": "bar"}.get(self.log_format, self.log_format)
+        elif self.no_progress_bar:
+            self.progress = "simple"
+        if self.eval_bleu_args:
+            self._apply_eval_bleu_args(self.eval_bleu_args)
+        if self.keep_best_checkpoints < -1 or self.keep_best_checkpoints == 0:
+            raise ValueError(f"--keep-best-checkpoints must be >= 1 (or -1: off), got {self.keep_best_checkpoints}")
         if self.best_checkpoint_metric not in ("loss", "nll_loss", "ppl", "bleu"):
             raise ValueError(f"--best-checkpoint-metric {self.best_checkpoint_metric!r}: use loss, nll_loss, ppl or "
                              f"bleu")
@@ -113,6 +159,28 @@ class TrainConfig:
             raise ValueError("--best-checkpoint-metric bleu needs --eval-bleu")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
+
+    def _apply_eval_bleu_args(self, text: str) -> None:
+        """fairseq's ``--eval-bleu-args '{"beam": 5, ...}'`` onto the --eval-bleu-* fields."""
+        import json
+
+        keys = {"beam": "eval_bleu_beam", "lenpen": "eval_bleu_lenpen", "max_len_a": "eval_bleu_max_len_a",
+                "max_len_b": "eval_bleu_max_len_b"}
+        try:
+            args = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"--eval-bleu-args {text!r} is not JSON ({e}); write it as '{{\"beam\": 5}}'") from None
+        if not isinstance(args, dict):
+            raise ValueError(f"--eval-bleu-args {text!r}: give a JSON object such as '{{\"beam\": 5}}'")
+        unknown = sorted(set(args) - set(keys))
+        if unknown:
+            raise ValueError(f"--eval-bleu-args: unknown key(s) {', '.join(unknown)}; attnmt takes "
+                             f"{', '.join(keys)}")
+        for key, value in args.items():
+            kind = type(getattr(self, keys[key]))
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ValueError(f"--eval-bleu-args: {key} must be a number, got {value!r}")
+            setattr(self, keys[key], kind(value))
 
 
 @dataclass

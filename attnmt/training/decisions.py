@@ -11,8 +11,11 @@ After each update, in this order:
   ``--no-epoch-checkpoints``), ``checkpoint_{epoch}_{updates}.pt`` every ``--save-interval-updates`` updates or
   ``--save-interval-minutes`` minutes (not at an epoch end), and ``checkpoint_last.pt`` with any of these and
   whenever the run stops;
-* after validation: ``checkpoint_best.pt`` (and ``checkpoint_last.pt``) when the metric improved, and a stop with
+* after validation: ``checkpoint_best.pt`` (and ``checkpoint_last.pt``) when the metric improved, with
+  ``--keep-best-checkpoints N`` also ``checkpoint.best_METRIC_VALUE.pt`` (pruned to the N best), and a stop with
   ``patience`` once it has not improved for ``--patience`` validations.
+
+``--no-last-checkpoints`` leaves ``checkpoint_last.pt`` out of every list, ``--no-save`` writes nothing.
 
 An update without any target token (``stepped`` False) triggers no update-count interval.
 """
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from attnmt.checkpoint import BEST, LAST, epoch_name, interval_name
+from attnmt.checkpoint import BEST, LAST, best_n_name, epoch_name, interval_name
 from attnmt.training.config import TrainConfig
 
 
@@ -73,21 +76,32 @@ def after_update(cfg: TrainConfig, s: AfterUpdate, can_validate: bool) -> Decisi
         names.append(interval_name(s.epoch, n))
     if names or stop is not None or epoch_save:
         names.append(LAST)
-    return Decision(stop, validate, names)
+    return Decision(stop, validate, writable(cfg, names))
 
 
-def after_validation(cfg: TrainConfig, d: Decision, improved: bool, bad_validations: int) -> Decision:
-    """The decision once validation ran: save the new best; stop when ``--patience`` ran out."""
+def writable(cfg: TrainConfig, names: list[str]) -> list[str]:
+    """The names the checkpoint options let the run write."""
+    if cfg.no_save:
+        return []
+    return [n for n in names if n != LAST] if cfg.no_last_checkpoints else names
+
+
+def after_validation(cfg: TrainConfig, d: Decision, improved: bool, bad_validations: int,
+                     value: float | None = None) -> Decision:
+    """The decision once validation ran (``value``: the --best-checkpoint-metric's): save the new best, and a
+    candidate for the N best; stop when ``--patience`` ran out."""
     names, stop = list(d.save), d.stop
     if improved:
         names = [BEST, *names]
         if LAST not in names:
             names.append(LAST)
+    if cfg.keep_best_checkpoints > 0 and value is not None:
+        names.append(best_n_name(cfg.best_checkpoint_metric, value))
     if cfg.patience > 0 and bad_validations >= cfg.patience and stop is None:
         stop = "patience"
         if LAST not in names:
             names.append(LAST)
-    return Decision(stop, d.validate, names)
+    return Decision(stop, d.validate, writable(cfg, names))
 
 
 def already_done(cfg: TrainConfig, num_updates: int, epoch: int, end_of_epoch: bool, train_time: float) -> str | None:

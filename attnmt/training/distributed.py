@@ -59,7 +59,16 @@ class DistributedConfig:
         "help": "seconds a collective operation may wait for the other processes before the run stops with an "
                 "error naming the missing rank (a dead or hung peer)"})
 
+    distributed_port: int = field(default=-1, metadata={
+        "help": "fairseq's SLURM rendezvous: under srun (SLURM_PROCID set, no torchrun), every task joins the job "
+                "at the first node of SLURM_JOB_NODELIST on this port (-1: off)"})
+    local_rank: int | None = field(default=None, metadata={
+        "help": "what python -m torch.distributed.launch passes (also spelled --local_rank); the LOCAL_RANK "
+                "environment variable wins", "aliases": ("--local_rank",)})
+
     def __post_init__(self):
+        if self.distributed_port != -1 and not 0 < self.distributed_port < 65536:
+            raise ValueError(f"--distributed-port must be a TCP port (1-65535), got {self.distributed_port}")
         if self.nproc_per_node < 0:
             raise ValueError(f"--nproc-per-node must be >= 0, got {self.nproc_per_node}")
         if self.ddp_timeout <= 0:
@@ -67,6 +76,30 @@ class DistributedConfig:
 
 
 # ---------------------------------------------------------------------------------------------------- setup
+
+
+def slurm_environ(port: int, environ=None, hostnames=None) -> dict[str, str]:
+    """torchrun's variables for a task that ``srun`` started (fairseq's ``--distributed-port`` path): rank, world
+    size and local rank from SLURM, the rendezvous at the first host of the job's node list on ``port``. Empty when
+    the process was not started by srun, or a launcher already set WORLD_SIZE."""
+    environ = os.environ if environ is None else environ
+    if "SLURM_PROCID" not in environ or environ.get("WORLD_SIZE") not in (None, ""):
+        return {}
+    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    if not nodelist:
+        raise UserError("--distributed-port: SLURM_PROCID is set but SLURM_JOB_NODELIST is not; run the tasks with "
+                        "srun inside an allocation")
+    if hostnames is None:
+        import subprocess
+
+        try:
+            hostnames = subprocess.run(["scontrol", "show", "hostnames", nodelist], check=True, capture_output=True,
+                                       text=True).stdout.split()
+        except (OSError, subprocess.CalledProcessError) as e:
+            raise UserError(f"--distributed-port: cannot expand SLURM_JOB_NODELIST={nodelist} with scontrol ({e}); "
+                            f"set MASTER_ADDR and launch with torchrun instead") from None
+    return {"RANK": environ["SLURM_PROCID"], "WORLD_SIZE": environ.get("SLURM_NTASKS", "1"),
+            "LOCAL_RANK": environ.get("SLURM_LOCALID", "0"), "MASTER_ADDR": hostnames[0], "MASTER_PORT": str(port)}
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from attnmt.backends import backend_for, resolve_precision, training_device
 from attnmt.config import to_dict
 from attnmt.data.batching import EpochBatchIterator, Skipped
 from attnmt.errors import UserError
-from attnmt.fileio import check_output_dir
+from attnmt.fileio import check_output_dir, check_output_file
 from attnmt.optim import build_lr_scheduler, build_optimizer
 from attnmt.progress import RunLog, fmt_number, hms
 from attnmt.registry import get
@@ -80,6 +80,8 @@ def _train(data_bin, setup: Setup, cfg: TrainConfig, extra_validators, dist_cfg:
     if is_master:  # before any work: a bad --save-dir fails now, not at the first save
         check_output_dir(save_dir, "--save-dir")
         stale = checkpoint.remove_partial_files(save_dir)
+        if cfg.log_file:
+            check_output_file(cfg.log_file, "--log-file")
 
     task_cls = get("task", setup.task).obj
     task = task_cls(setup.task_cfg, data_bin)
@@ -109,7 +111,8 @@ def _train(data_bin, setup: Setup, cfg: TrainConfig, extra_validators, dist_cfg:
             extra_validators.append(BleuValidator(task, cfg, device, precision))
 
     total = cfg.max_update or (cfg.max_epoch * math.ceil(len(itr) / cfg.update_freq) if cfg.max_epoch else None)
-    log = RunLog(save_dir / "train.jsonl", cfg.progress, total, 0, enabled=is_master)
+    log = RunLog(save_dir / "train.jsonl", cfg.progress, total, 0, enabled=is_master, log_file=cfg.log_file,
+                 tensorboard_dir=cfg.tensorboard_logdir)
     if stale:
         log.info(f"removed {len(stale)} partial checkpoint file(s) of interrupted saves from {save_dir}")
     best = Best(cfg.best_checkpoint_metric, cfg.maximize_best_checkpoint_metric)
@@ -129,6 +132,14 @@ def _train(data_bin, setup: Setup, cfg: TrainConfig, extra_validators, dist_cfg:
             if dropped:
                 log.info(f"train.jsonl: dropped {dropped} record(s) of updates after {trainer.num_updates}, which "
                          f"the checkpoint does not hold and this run repeats")
+        elif cfg.restore_file != checkpoint.LAST:  # fairseq's --restore-file: start from another run's state
+            restore = Path(cfg.restore_file)
+            if not restore.is_file():
+                raise UserError(f"{restore}: --restore-file not found; give an attnmt checkpoint (fairseq's are "
+                                f"converted by attnmt import-fairseq)")
+            log.info(f"restoring {restore} (reset: optimizer {cfg.reset_optimizer}, lr scheduler "
+                     f"{cfg.reset_lr_scheduler}, dataloader {cfg.reset_dataloader})")
+            train_time = resume(restore, cfg, setup, trainer, itr, best, model_name, model_cfg, data_state, log)
         elif cfg.finetune_from:
             finetune(Path(cfg.finetune_from), trainer, data_state, log)
 
@@ -207,7 +218,8 @@ def _run(trainer: Trainer, task, setup: Setup, cfg: TrainConfig, model_name: str
         state = build_state(trainer, setup, cfg, model_name, model_cfg, data_state, itr, best, train_time(),
                             rng_by_rank)
         checkpoint.save_as(state, save_dir, names)
-        ckpts.prune(save_dir, cfg.keep_interval_updates, cfg.keep_last_epochs)
+        ckpts.prune(save_dir, cfg.keep_interval_updates, cfg.keep_last_epochs, cfg.keep_best_checkpoints,
+                    cfg.maximize_best_checkpoint_metric)
 
     stop = decisions.already_done(cfg, trainer.num_updates, itr.epoch, itr.end_of_epoch(), train_time0)
     if stop:
@@ -240,13 +252,17 @@ def _run(trainer: Trainer, task, setup: Setup, cfg: TrainConfig, model_name: str
                 first = next(iter(last_valid.values()))
                 improved = best.update(first[best.metric], n)
                 for split, m in last_valid.items():
+                    samples = {k: m.pop(k) for k in ("sample_hypothesis", "sample_reference") if k in m}
                     rec = {"type": "valid", "subset": split, "epoch": itr.epoch, "num_updates": n,
-                           **{k: v for k, v in m.items()}, "best_" + best.metric: best.value}
+                           **{k: v for k, v in m.items()}, "best_" + best.metric: best.value, **samples}
                     log.record(rec)
-                    log.info(f"valid on '{split}' | epoch {itr.epoch} | update {n} | "
+                    log.line(f"valid on '{split}' | epoch {itr.epoch} | update {n} | "
                              + " | ".join(f"{k} {fmt_number(v)}" for k, v in m.items() if k != "ntokens")
-                             + f" | best {best.metric} {fmt_number(best.value)}")
-                decision = decisions.after_validation(cfg, decision, improved, best.bad_validations)
+                             + f" | best {best.metric} {fmt_number(best.value)}", None)
+                    for k, text in samples.items():
+                        log.info(f"valid on '{split}' | example {k.split('_')[1]}: {text}")
+                decision = decisions.after_validation(cfg, decision, improved, best.bad_validations,
+                                                      first[best.metric])
                 if decision.stop == "patience":
                     log.info(f"early stop: {best.metric} has not improved for {cfg.patience} validations")
             stop, names = decision.stop, decision.save

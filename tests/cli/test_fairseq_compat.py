@@ -16,7 +16,11 @@ def run(args: list[str], stdin: str = "") -> tuple[int, str, str]:
     from attnmt.cli import cli
 
     registry.load_plugins()
+    from attnmt.errors import UserError
+
     r = CliRunner().invoke(cli, args, input=stdin, catch_exceptions=True)
+    if isinstance(r.exception, UserError):  # what attnmt's main prints as a one-line error, exit status 1
+        return 1, r.stdout, r.stderr + f"attnmt: error: {r.exception}\n"
     if r.exception is not None and not isinstance(r.exception, SystemExit):
         raise r.exception
     return r.exit_code, r.stdout, r.stderr
@@ -117,3 +121,117 @@ def test_lenpen_style_fairseq_is_printed_and_used(bpe_model):
     assert "score = logprob / ((5 + length) / 6)^1 (GNMT)" in err
     code, _, err = run([*base, "--lenpen-style", "marian"])
     assert code != 0 and "marian" in err
+
+
+# ---------------------------------------------------------------------------------------------- attnmt train
+
+# fairseq's examples/translation/README.md, IWSLT'14 de-en, with the command name changed (and a short budget)
+FAIRSEQ_IWSLT_LINE = (
+    "--arch transformer_iwslt_de_en --share-decoder-input-output-embed --optimizer adam --adam-betas '(0.9, 0.98)' "
+    "--clip-norm 0.0 --lr 5e-4 --lr-scheduler inverse_sqrt --warmup-updates 4000 --dropout 0.3 --weight-decay 0.0001 "
+    "--criterion label_smoothed_cross_entropy --label-smoothing 0.1 --max-tokens 4096 --eval-bleu "
+    "--eval-bleu-args '{\"beam\": 5, \"max_len_a\": 1.2, \"max_len_b\": 10}' --eval-bleu-detok moses "
+    "--eval-bleu-remove-bpe --eval-bleu-print-samples --best-checkpoint-metric bleu --maximize-best-checkpoint-metric")
+
+
+def test_fairseq_iwslt_training_line_runs(bpe_model, tmp_path):
+    import json
+    import shlex
+
+    root, _ = bpe_model
+    save = tmp_path / "ck"
+    code, _, err = run(["train", str(root / "bin"), *shlex.split(FAIRSEQ_IWSLT_LINE), "--save-dir", str(save),
+                        "--max-update", "1", "--threads", "1", "--encoder-layers", "1", "--decoder-layers", "1",
+                        "--log-format", "json", "--log-file", str(tmp_path / "train.log")])
+    assert code == 0, err
+    records = [json.loads(ln) for ln in (save / "train.jsonl").read_text().splitlines()]
+    valid = [r for r in records if r["type"] == "valid"]
+    assert valid and "bleu" in valid[-1]
+    hyp = valid[-1]["sample_hypothesis"]
+    assert "@@" not in hyp and "@@" not in valid[-1]["sample_reference"]  # --eval-bleu-remove-bpe
+    assert "example hypothesis:" in err
+    assert any(ln.startswith("{") and json.loads(ln)["type"] == "valid" for ln in err.splitlines())  # json
+    logged = (tmp_path / "train.log").read_text().splitlines()
+    assert logged and all(ln[:4].isdigit() and " | " in ln for ln in logged)  # timestamped lines
+    notice = next(ln for ln in err.splitlines() if "defaults that differ" in ln)
+    assert notice.endswith("in effect: --adam-eps 1e-09 (fairseq: 1e-08)")  # the line sets all the others
+
+
+def test_eval_bleu_args_map_onto_the_eval_bleu_options():
+    from attnmt.training.config import TrainConfig
+
+    cfg = TrainConfig(eval_bleu=True, eval_bleu_args='{"beam": 5, "max_len_a": 1.2, "max_len_b": 10, "lenpen": 1}')
+    assert (cfg.eval_bleu_beam, cfg.eval_bleu_max_len_a, cfg.eval_bleu_max_len_b, cfg.eval_bleu_lenpen) == \
+        (5, 1.2, 10, 1.0)
+    with pytest.raises(ValueError, match="unknown key.*nbest; attnmt takes beam, lenpen, max_len_a, max_len_b"):
+        TrainConfig(eval_bleu_args='{"nbest": 2}')
+    with pytest.raises(ValueError, match="is not JSON"):
+        TrainConfig(eval_bleu_args="{beam: 5}")
+    assert TrainConfig(log_format="tqdm").progress == "bar" and TrainConfig(no_progress_bar=True).progress == "simple"
+
+
+def test_checkpoint_options_keep_best_no_last_no_save_and_restore_file(bpe_model, tmp_path):
+    from helpers import TINY_MODEL
+
+    root, _ = bpe_model
+    base = ["train", str(root / "bin"), *TINY_MODEL, "--max-tokens", "128", "--threads", "1", "--progress", "none"]
+    a = tmp_path / "a"
+    code, _, err = run([*base, "--save-dir", str(a), "--max-update", "6", "--validate-interval-updates", "2",
+                        "--keep-best-checkpoints", "2", "--no-last-checkpoints", "--no-epoch-checkpoints",
+                        "--save-interval-updates", "2"])
+    assert code == 0, err
+    names = sorted(p.name for p in a.glob("*.pt"))
+    best_n = [n for n in names if n.startswith("checkpoint.best_loss_")]
+    assert "checkpoint_last.pt" not in names and 1 <= len(best_n) <= 2, names
+    values = sorted(float(n[len("checkpoint.best_loss_"):-3]) for n in best_n)
+    assert values[0] == pytest.approx(min(values))
+    code, _, err = run([*base, "--save-dir", str(tmp_path / "none"), "--max-update", "2", "--no-save"])
+    assert code == 0 and not list((tmp_path / "none").glob("*.pt")), err
+    # --restore-file: another run's state, continued in a new directory
+    b = tmp_path / "b"
+    code, _, err = run([*base, "--save-dir", str(b), "--max-update", "8", "--restore-file",
+                        str(a / "checkpoint_2_6.pt")])
+    assert code == 0, err
+    import torch
+
+    assert torch.load(b / "checkpoint_last.pt", weights_only=False)["train"]["num_updates"] == 8
+    code, _, err = run([*base, "--save-dir", str(tmp_path / "c"), "--restore-file", str(tmp_path / "nope.pt")])
+    assert code == 1 and "nope.pt: --restore-file not found" in err
+
+
+def test_fairseq_architecture_names_and_refusals(bpe_model, tmp_path):
+    from attnmt.registry import arch_config, load_builtins
+
+    load_builtins()
+    t2t = arch_config("transformer_wmt_en_de_big_t2t")
+    assert t2t.encoder_embed_dim == 1024 and t2t.encoder_normalize_before and t2t.attention_dropout == 0.1
+    assert arch_config("transformer_vaswani_wmt_en_de_big") == arch_config("transformer_big")
+    assert arch_config("transformer_wmt_en_de") == arch_config("transformer")
+    root, _ = bpe_model
+    code, _, err = run(["train", str(root / "bin"), "--arch", "fconv_wmt_en_de", "--save-dir", str(tmp_path)])
+    assert code != 0 and "fconv_wmt_en_de: a fairseq convolutional model" in err and "transformer_big" in err
+    code, _, err = run(["train", str(root / "bin"), "--arch", "transformer", "--force-anneal", "50"])
+    assert code == 2 and "--force-anneal is a fairseq option that attnmt does not take" in err
+
+
+def test_defaults_that_differ_from_fairseq_are_printed(bpe_model, tmp_path):
+    from helpers import TINY_MODEL
+
+    root, _ = bpe_model
+    code, _, err = run(["train", str(root / "bin"), *TINY_MODEL, "--save-dir", str(tmp_path), "--max-update", "1",
+                        "--optimizer", "adam", "--lr", "1e-3", "--progress", "none"])
+    assert code == 0, err
+    line = next(ln for ln in err.splitlines() if "defaults that differ from fairseq-train's" in ln)
+    assert "--criterion label_smoothed_cross_entropy (fairseq: cross_entropy)" in line
+    assert "--lr-scheduler inverse_sqrt (fairseq: fixed)" in line
+    assert "--optimizer" not in line and "--lr " not in line  # given on the command line
+
+
+def test_slurm_tasks_find_their_rendezvous():
+    from attnmt.training.distributed import slurm_environ
+
+    env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "gpu[01-02]"}
+    assert slurm_environ(12345, env, hostnames=["gpu01", "gpu02"]) == {
+        "RANK": "3", "WORLD_SIZE": "16", "LOCAL_RANK": "1", "MASTER_ADDR": "gpu01", "MASTER_PORT": "12345"}
+    assert slurm_environ(12345, {**env, "WORLD_SIZE": "2"}) == {}  # torchrun inside the allocation wins
+    assert slurm_environ(12345, {}) == {}
