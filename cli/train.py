@@ -123,8 +123,8 @@ def _callback(data_bin: str, arch: str, **params) -> None:
         lr_scheduler_cfg=cfg("lr_scheduler", f"--lr-scheduler {names['lr_scheduler']}"),
     )
     notice = fairseq_default_notice(given_kinds | set(given_options(params)), setup)
-    if notice and env.rank == 0:
-        click.echo(f"attnmt train: {notice}", err=True)
+    if notice:
+        setup = dataclasses.replace(setup, notices=(notice,))
     configure_process("train", "cpu" if train_cfg.cpu else "auto")  # allocator and oneDNN settings (attnmt/backends)
     try:
         summary = train(data_bin, setup, train_cfg, dist_cfg=dist_cfg)

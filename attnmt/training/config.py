@@ -197,3 +197,4 @@ class Setup:
     optimizer_cfg: Any
     lr_scheduler: str
     lr_scheduler_cfg: Any
+    notices: tuple[str, ...] = ()  # logged at the start of the run (e.g. defaults that differ from fairseq's)

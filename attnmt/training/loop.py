@@ -170,6 +170,8 @@ def _report_start(log: RunLog, task, setup: Setup, cfg: TrainConfig, model, itr,
                 "precision": backend.precision, "hardware": backend.describe(), "threads": torch.get_num_threads()})
     for note in notes:
         log.info(f"model: {note}")
+    for notice in setup.notices:
+        log.info(notice)
     log.info(f"data: {task.data_bin} {task.src_lang}->{task.tgt_lang}, dictionaries {len(task.src_dict)}/"
              f"{len(task.tgt_dict)} symbols{' (joined)' if task.joint_dictionary else ''}")
     log.info(f"data: {task.cfg.train_subset}: {n_train:,} pairs in {len(train):,} batches"

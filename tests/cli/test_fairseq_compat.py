@@ -219,7 +219,7 @@ def test_defaults_that_differ_from_fairseq_are_printed(bpe_model, tmp_path):
 
     root, _ = bpe_model
     code, _, err = run(["train", str(root / "bin"), *TINY_MODEL, "--save-dir", str(tmp_path), "--max-update", "1",
-                        "--optimizer", "adam", "--lr", "1e-3", "--progress", "none"])
+                        "--optimizer", "adam", "--lr", "1e-3", "--progress", "lines"])
     assert code == 0, err
     line = next(ln for ln in err.splitlines() if "defaults that differ from fairseq-train's" in ln)
     assert "--criterion label_smoothed_cross_entropy (fairseq: cross_entropy)" in line
