@@ -30,9 +30,9 @@ tokens per batch (``--max-tokens``). What differs by design:
 * fairseq-generate loads its data itself; its own timer (which this script reads) covers the same work.
 
 ``--ct2-model DIR``: a CTranslate2 model directory; when DIR does not exist it is exported from ``--path``
-(float32 weights, ``benchmarks/export_ct2.py`` run with ``--ct2-python``); int8 quantizes at load time.
+(float32 weights, ``attnmt.interop.ctranslate2`` run with ``--ct2-python``); int8 quantizes at load time.
 ``--fairseq-venv VENV``: a virtualenv with fairseq 0.12.2; the checkpoint is converted with
-``benchmarks/export_fairseq.py`` and the sentences binarized with the checkpoint's own dictionary.
+``attnmt.interop.fairseq`` and the sentences binarized with the checkpoint's own dictionary.
 The last line is the ratio of attnmt's best target tokens/s to CTranslate2 int8's. The machine must be otherwise
 idle for meaningful numbers; timings of such short runs still vary by up to 20% from run to run.
 """
@@ -51,6 +51,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+# run in another toolkit's Python (which has no attnmt installed): attnmt's exporter, imported from this checkout
+EXPORT = ("import sys; sys.path.insert(0, sys.argv[1]); from attnmt import checkpoint; "
+          "from attnmt.interop.{module} import {function}; {function}(checkpoint.load(checkpoint.resolve(sys.argv[2])), "
+          "sys.argv[3])")
 MODES = ("fp32", "bf16", "int8")
 CT2_TYPES = {"int8": "int8", "fp32": "float32", "float32": "float32", "bf16": "bfloat16", "int8_bf16": "int8_bfloat16"}
 
@@ -229,8 +233,9 @@ def ct2_export(args) -> str | None:
     if os.path.isdir(args.ct2_model):
         return None
     print(f"exporting {args.path} to CTranslate2 ({args.ct2_model}) ...", file=sys.stderr, flush=True)
-    proc = subprocess.run([args.ct2_python, str(HERE / "export_ct2.py"), "--path", args.path, "--output-dir",
-                           args.ct2_model], capture_output=True, text=True)
+    code = EXPORT.format(module="ctranslate2", function="export_model")
+    proc = subprocess.run([args.ct2_python, "-c", code, str(HERE.parent), args.path, args.ct2_model],
+                          capture_output=True, text=True)
     if proc.returncode != 0:
         return "export failed: " + (proc.stderr.strip().splitlines() or ["?"])[-1]
     return None
@@ -302,10 +307,11 @@ def run_fairseq(args, bundle, sources, refs, work: Path) -> dict:
         return {"mode": "fairseq", "error": f"{what} failed: " + (proc.stderr.strip().splitlines() or ["?"])[-1]}
 
     model_dir = work / "model"
-    proc = subprocess.run([py, str(HERE / "export_fairseq.py"), "--path", args.path, "--output-dir", str(model_dir)],
-                          capture_output=True, text=True, env=env)
+    code = EXPORT.format(module="fairseq", function="export_checkpoint")
+    proc = subprocess.run([py, "-c", code, str(HERE.parent), args.path, str(model_dir)], capture_output=True,
+                          text=True, env=env)
     if proc.returncode != 0:
-        return fail("export_fairseq.py", proc)
+        return fail("the fairseq export", proc)
     src, tgt = bundle.source_lang, bundle.target_lang
     text = "".join(bundle.source_pieces(s) + "\n" for s in sources)
     for lang in (src, tgt):  # fairseq-preprocess wants a target side; it is not used to translate

@@ -25,6 +25,8 @@ COMMANDS = {
     "generate": "generate",
     "translate": "translate",
     "plot": "plot",
+    "export": "export",
+    "import-fairseq": "import_fairseq",
 }
 
 

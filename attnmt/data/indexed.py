@@ -19,6 +19,10 @@ vocabulary (``best_dtype``): uint8, uint16 or int32.
     ...     0 or 4          zero padding so that offsets start on an 8-byte boundary
     ...     8*count int64   offsets[count]: where each sequence starts in .bin, counted in ids (not bytes)
 
+fairseq's memory-mapped data-bins (``MMIDIDX`` indexes, fairseq-preprocess's default) are read as they are: the
+same ``.bin`` layout, an index of magic ``b"MMIDIDX\0\0"``, uint64 version 1, uint8 dtype code, uint64 count, int32
+sizes and int64 byte offsets.
+
 So sequence ``i`` is ``bin[offsets[i] : offsets[i] + sizes[i]]``, readable with nothing but numpy::
 
     count = int(np.frombuffer(idx_bytes, "<u8", 1, 16)[0])
@@ -39,6 +43,10 @@ from attnmt.errors import UserError
 from attnmt.fileio import atomic_open
 
 MAGIC = b"ATNMIDX\x00"
+FAIRSEQ_MAGIC = b"MMIDIDX\x00\x00"
+FAIRSEQ_HEADER = struct.Struct("<9sQBQ")  # magic, version, dtype code, count (26 bytes)
+_FAIRSEQ_DTYPES = {1: np.dtype("<u1"), 2: np.dtype("<i1"), 3: np.dtype("<i2"), 4: np.dtype("<i4"),
+                   5: np.dtype("<i8"), 8: np.dtype("<u2"), 9: np.dtype("<u4"), 10: np.dtype("<u8")}
 VERSION = 1
 HEADER = struct.Struct("<8sIB3xQQ")  # magic, version, dtype code, count, total ids (32 bytes)
 assert HEADER.size == 32
@@ -197,7 +205,11 @@ class IndexedDataset:
         if idx_size < HEADER.size:
             raise UserError(f"{ip}: truncated index ({idx_size} bytes); re-run attnmt preprocess")
         with open(ip, "rb") as f:
-            magic, version, code, count, total = HEADER.unpack(f.read(HEADER.size))
+            head = f.read(max(HEADER.size, FAIRSEQ_HEADER.size))
+        if head.startswith(FAIRSEQ_MAGIC):
+            self._open_fairseq(ip, bp, head, idx_size)
+            return
+        magic, version, code, count, total = HEADER.unpack(head[:HEADER.size])
         if magic != MAGIC:
             raise UserError(f"{ip}: not an attnmt indexed dataset (bad magic {magic!r}); "
                             f"binarize the data with attnmt preprocess")
@@ -224,6 +236,31 @@ class IndexedDataset:
             self.sizes, self.offsets = np.zeros(0, "<i4"), np.zeros(0, "<i8")
         # numpy cannot map an empty file
         self._data = np.memmap(bp, dtype=self.dtype, mode="r") if total else np.zeros(0, self.dtype)
+
+    def _open_fairseq(self, ip: str, bp: str, head: bytes, idx_size: int) -> None:
+        """A fairseq-preprocess index (``MMIDIDX``): byte offsets become id offsets; the same checks apply."""
+        _, version, code, count = FAIRSEQ_HEADER.unpack(head[:FAIRSEQ_HEADER.size])
+        if version != 1 or code not in _FAIRSEQ_DTYPES:
+            raise UserError(f"{ip}: fairseq index version {version}, dtype code {code} is not supported; binarize "
+                            f"the data with attnmt preprocess")
+        self.dtype = _FAIRSEQ_DTYPES[code]
+        start = FAIRSEQ_HEADER.size
+        if idx_size < start + 12 * count:
+            raise UserError(f"{ip}: size {idx_size} bytes, too small for {count} sequences; the file is truncated, "
+                            f"binarize the data again")
+        bin_size = os.path.getsize(bp)
+        if bin_size % self.dtype.itemsize:
+            raise UserError(f"{bp}: {bin_size} bytes is not a whole number of {self.dtype} ids; the file is "
+                            f"truncated or corrupt, binarize the data again")
+        self._count, self._total = count, bin_size // self.dtype.itemsize
+        if count:
+            self.sizes = np.memmap(ip, dtype="<i4", mode="r", offset=start, shape=(count,))
+            pointers = np.memmap(ip, dtype="<i8", mode="r", offset=start + 4 * count, shape=(count,))
+            self.offsets = np.asarray(pointers) // self.dtype.itemsize
+            self._check_index(ip)
+        else:
+            self.sizes, self.offsets = np.zeros(0, "<i4"), np.zeros(0, "<i8")
+        self._data = np.memmap(bp, dtype=self.dtype, mode="r") if self._total else np.zeros(0, self.dtype)
 
     def _check_index(self, ip: str) -> None:
         """Every size >= 0 and every sequence right after the one before it, the last ending at the file's end:

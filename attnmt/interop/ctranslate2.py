@@ -1,31 +1,31 @@
-"""Export an attnmt Transformer checkpoint to a CTranslate2 model directory (for speed comparisons on one model).
-
-Run it with a Python that has ``ctranslate2`` and ``torch`` (e.g. the peer virtualenv of
-``/work/shared/peers/install_fairseq.sh``); attnmt itself is imported from this checkout::
-
-    /tmp/peer-venv/bin/python benchmarks/export_ct2.py --path checkpoints/checkpoint_best.pt --output-dir ct2-model \\
-        [--quantization int8] [--check]
+"""attnmt Transformer checkpoints -> CTranslate2 model directories (``attnmt export --to ctranslate2``).
 
 The mapping, layer by layer: fused Q/K/V (self-attention) and fused K/V (encoder-decoder attention) go to
 CTranslate2's fused linear layers unchanged; post-norm (the paper) or pre-norm; ReLU; embeddings scaled by
 sqrt(d_model); the positional table is stored explicitly, because attnmt interleaves sin/cos (as the paper) while
 CTranslate2's built-in sinusoids concatenate them; the source gets its EOS appended and decoding starts from EOS,
-as in attnmt. ``<pad>`` is renamed ``<blank>`` (CTranslate2's padding symbol).
-
-``--check FILE`` translates FILE's first lines with attnmt and has both toolkits score those translations token by
-token (CTranslate2 in float32); it fails when a log-probability differs by more than 1e-3.
+as in attnmt. ``<pad>`` is renamed ``<blank>`` (CTranslate2's padding symbol). Needs the optional ``ctranslate2``
+package (``pip install 'attnmt[ctranslate2]'``).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from attnmt.errors import UserError
+
+
+def _ctranslate2():
+    try:
+        import ctranslate2
+        import ctranslate2.converters.converter  # noqa: F401
+    except ImportError:
+        raise UserError("attnmt export --to ctranslate2 needs the ctranslate2 package: pip install "
+                        "'attnmt[ctranslate2]' (or ctranslate2)") from None
+    return ctranslate2
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -53,15 +53,16 @@ def _positions(cfg: dict, state: dict, side: str, dim: int, count: int) -> np.nd
 
 def build_spec(ckpt: dict):
     """The CTranslate2 ``TransformerSpec`` holding the checkpoint's weights and vocabularies."""
+    _ctranslate2()
     from ctranslate2.specs import common_spec, transformer_spec
 
     cfg, state, data = ckpt["model_config"], ckpt["model"], ckpt["data"]
     if ckpt.get("model_name") != "transformer":
-        raise SystemExit(f"only the 'transformer' model can be exported, not {ckpt.get('model_name')!r}")
+        raise UserError(f"only the 'transformer' model can be exported, not {ckpt.get('model_name')!r}")
     if cfg["encoder_normalize_before"] != cfg["decoder_normalize_before"]:
-        raise SystemExit("CTranslate2 needs the same normalisation (pre- or post-norm) in encoder and decoder")
+        raise UserError("CTranslate2 needs the same normalisation (pre- or post-norm) in encoder and decoder")
     if cfg["encoder_attention_heads"] != cfg["decoder_attention_heads"]:
-        raise SystemExit("CTranslate2 needs the same number of attention heads in encoder and decoder")
+        raise UserError("CTranslate2 needs the same number of attention heads in encoder and decoder")
     pre_norm = bool(cfg["encoder_normalize_before"])
     spec = transformer_spec.TransformerSpec.from_config(
         (cfg["encoder_layers"], cfg["decoder_layers"]), cfg["encoder_attention_heads"], pre_norm=pre_norm,
@@ -111,28 +112,28 @@ def build_spec(ckpt: dict):
     return spec
 
 
-def export(path: str, output_dir: str, quantization: str | None = None, force: bool = False) -> str:
-    from ctranslate2.converters.converter import Converter
-
-    from attnmt.inference import resolve_checkpoint
-
-    ckpt = torch.load(resolve_checkpoint(path), map_location="cpu", weights_only=True)
+def export_model(ckpt: dict, output_dir: str | os.PathLike, quantization: str | None = None,
+                 force: bool = False) -> str:
+    """Write the CTranslate2 model directory ``output_dir`` for the attnmt checkpoint ``ckpt``."""
+    Converter = _ctranslate2().converters.converter.Converter
 
     class AttnmtConverter(Converter):
         def _load(self):
             return build_spec(ckpt)
 
-    return AttnmtConverter().convert(output_dir, quantization=quantization, force=force)
+    try:
+        return AttnmtConverter().convert(str(output_dir), quantization=quantization, force=force)
+    except RuntimeError as e:  # e.g. the directory exists
+        raise UserError(f"{output_dir}: {e}") from None
 
 
-def check(path: str, output_dir: str, lines: list[str]) -> float:
+def check(path: str | os.PathLike, output_dir: str | os.PathLike, lines: list[str]) -> float:
     """Largest difference between the two toolkits' log-probabilities of attnmt's translations of ``lines``.
 
     Both score the same (source, translation) pairs token by token (CTranslate2 in float32), which isolates the
     conversion from the search (attnmt's beam-1 search keeps an early EOS that greedy argmax decoding would skip).
     """
-    import ctranslate2
-
+    ctranslate2 = _ctranslate2()
     from attnmt.generation.beam import beam_search
     from attnmt.generation.search import SearchConfig
     from attnmt.inference import load_for_inference
@@ -143,32 +144,9 @@ def check(path: str, output_dir: str, lines: list[str]) -> float:
     ours = []
     for s in sources:
         ours.append(beam_search(bundle.model, torch.tensor([s]), torch.tensor([len(s)]), cfg, bundle.symbols)[0][0])
-    tr = ctranslate2.Translator(output_dir, device="cpu", compute_type="float32")
+    tr = ctranslate2.Translator(str(output_dir), device="cpu", compute_type="float32")
     scored = tr.score_batch([bundle.source_pieces(s).split() for s in sources],
                             [bundle.target_pieces(h.tokens).split() for h in ours])
     worst = max(float(np.max(np.abs(np.array(r.log_probs) - np.array(h.positional_scores))))
                 for r, h in zip(scored, ours))
-    tokens = sum(len(h.tokens) for h in ours)
-    print(f"{len(lines)} sentences, {tokens} tokens: largest log-probability difference {worst:.2e}")
     return worst
-
-
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--path", required=True, help="attnmt checkpoint (or directory holding model.pt)")
-    p.add_argument("--output-dir", required=True, help="CTranslate2 model directory to write")
-    p.add_argument("--quantization", default=None, help="weights stored as int8, int16, float16, ... (default float32)")
-    p.add_argument("--force", action="store_true", help="replace --output-dir if it exists")
-    p.add_argument("--check", metavar="FILE",
-                   help="score attnmt's translations of FILE's first 20 lines with both toolkits and compare")
-    args = p.parse_args(argv)
-    out = export(args.path, args.output_dir, args.quantization, args.force)
-    print(f"wrote {out}")
-    if args.check:
-        from attnmt.scoring import read_lines
-
-        sys.exit(1 if check(args.path, out, read_lines(args.check, "input")[:20]) > 1e-3 else 0)
-
-
-if __name__ == "__main__":
-    main()

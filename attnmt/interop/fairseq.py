@@ -1,0 +1,351 @@
+"""fairseq 0.12 ``transformer`` checkpoints <-> attnmt checkpoints.
+
+The two Transformers compute the same function; only names and three layouts differ:
+
+* attnmt fuses the Q/K/V projections of self-attention (``qkv_proj``) and the K/V projections of
+  encoder-decoder attention (``kv_proj``); fairseq keeps ``q_proj``, ``k_proj``, ``v_proj``. Rows concatenate.
+* Positions: fairseq numbers them from ``padding_idx + 1`` and its sinusoids put all sines before all cosines
+  with frequencies ``exp(-i * log(10000) / (d/2 - 1))``; attnmt's interleave sin/cos with the paper's frequencies.
+  A fairseq model therefore comes in with ``learned_pos`` and its exact table (computed, or its learned rows), and
+  an attnmt model goes out with ``--encoder-learned-pos --decoder-learned-pos`` holding attnmt's table.
+* fairseq's LayerNorms, feed-forward layers, embeddings (scaled by sqrt(d) unless ``no_scale_embedding``),
+  output projection and final LayerNorms of pre-norm stacks map one to one.
+
+Both start decoding from EOS and append EOS to the source; the dictionaries have the same format and the same four
+special symbols first, so ``dict.LANG.txt`` files are shared as they are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from attnmt.errors import UserError
+
+# attnmt TransformerConfig field <- fairseq model option (same meaning)
+SAME_FIELDS = ("encoder_layers", "decoder_layers", "encoder_embed_dim", "decoder_embed_dim", "encoder_ffn_embed_dim",
+               "decoder_ffn_embed_dim", "encoder_attention_heads", "decoder_attention_heads", "dropout",
+               "attention_dropout", "activation_dropout", "encoder_normalize_before", "decoder_normalize_before",
+               "no_scale_embedding", "share_all_embeddings", "share_decoder_input_output_embed",
+               "max_source_positions", "max_target_positions")
+# fairseq options attnmt's Transformer does not have: the value that matches attnmt's model
+MUST_BE = {"activation_fn": "relu", "layernorm_embedding": False, "no_token_positional_embeddings": False,
+           "adaptive_softmax_cutoff": None, "cross_self_attention": False, "quant_noise_pq": 0,
+           "adaptive_input": False, "tie_adaptive_weights": False, "checkpoint_activations": False,
+           "encoder_layers_to_keep": None, "decoder_layers_to_keep": None, "no_decoder_final_norm": False}
+
+
+# --------------------------------------------------------------------------------------------- reading
+
+
+def read_checkpoint(path: str | os.PathLike) -> tuple[dict, dict]:
+    """(model options, state dict) of a fairseq checkpoint, without fairseq installed.
+
+    fairseq 0.12 stores its options as a plain dict (``cfg``) or, from older versions, an ``argparse.Namespace``
+    (``args``); both load with ``weights_only=True``.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: not found; give a fairseq checkpoint (checkpoint_best.pt, model.pt)")
+    try:
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means: not a checkpoint we can read safely
+        raise UserError(f"{path}: cannot be read as a fairseq checkpoint ({str(e).splitlines()[0][:200]}); give a "
+                        f"checkpoint written by fairseq-train 0.x") from None
+    if not isinstance(ckpt, dict) or "model" not in ckpt:
+        raise UserError(f"{path}: not a fairseq checkpoint (no 'model' weights); give a file written by "
+                        f"fairseq-train")
+    if ckpt.get("format") == "attnmt-checkpoint":
+        raise UserError(f"{path}: already an attnmt checkpoint; use it as it is")
+    cfg = ckpt.get("cfg")
+    if isinstance(cfg, dict) and cfg.get("model") is not None:
+        model = cfg["model"]
+        options = dict(model) if isinstance(model, dict) else dict(vars(model))
+        task = cfg.get("task") or {}
+        task = task if isinstance(task, dict) else vars(task)
+        for key in ("source_lang", "target_lang", "data"):  # the task's, for the defaults of import-fairseq
+            if task.get(key) is not None:
+                options.setdefault(key, task[key])
+    elif ckpt.get("args") is not None:
+        options = dict(vars(ckpt["args"]))
+    else:
+        raise UserError(f"{path}: holds no model options (neither 'cfg' nor 'args'); give a checkpoint written by "
+                        f"fairseq-train")
+    return options, ckpt["model"]
+
+
+def model_config(options: dict, path: str | os.PathLike) -> dict:
+    """attnmt TransformerConfig fields for a fairseq transformer's options (refusing what attnmt cannot run)."""
+    arch = str(options.get("arch") or options.get("_name") or "")
+    if not arch.startswith("transformer") or arch.startswith(("transformer_lm", "transformer_align")) \
+            or arch.endswith("_align"):
+        raise UserError(f"{path}: a fairseq '{arch}' model; attnmt imports fairseq's transformer translation "
+                        f"models (transformer, transformer_wmt_en_de, transformer_vaswani_wmt_en_de_big, ...)")
+    for key, want in MUST_BE.items():
+        got = options.get(key)
+        if got is None or got == want or (not want and not got):
+            continue
+        raise UserError(f"{path}: --{key.replace('_', '-')} {got} has no counterpart in attnmt's Transformer "
+                            f"(it needs {want}); this model cannot be imported")
+    cfg = {k: options[k] for k in SAME_FIELDS if options.get(k) is not None}
+    cfg["learned_pos"] = True  # fairseq's positions, as a table (its sinusoids or its learned rows)
+    return cfg
+
+
+def fairseq_sinusoids(num_embeddings: int, dim: int, padding_idx: int) -> torch.Tensor:
+    """fairseq's SinusoidalPositionalEmbedding table: row ``p`` holds position ``p`` (rows up to ``padding_idx``
+    unused), sines then cosines."""
+    half = dim // 2
+    freq = torch.exp(torch.arange(half, dtype=torch.float64) * -(math.log(10000) / (half - 1)))
+    angles = torch.arange(num_embeddings, dtype=torch.float64)[:, None] * freq[None, :]
+    table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
+    if dim % 2:
+        table = torch.cat([table, torch.zeros(num_embeddings, 1, dtype=torch.float64)], dim=1)
+    table[padding_idx] = 0
+    return table.float()
+
+
+def convert_from_fairseq(options: dict, state: dict, cfg: dict, pad: int) -> dict[str, torch.Tensor]:
+    """fairseq parameter names and layouts -> attnmt's."""
+    out: dict[str, torch.Tensor] = {}
+
+    def take(dst: str, src: str) -> None:
+        for suffix in ("weight", "bias"):
+            if f"{src}.{suffix}" in state:
+                out[f"{dst}.{suffix}"] = state[f"{src}.{suffix}"].float()
+
+    def fuse(dst: str, src: str, names: tuple[str, ...]) -> None:
+        for suffix in ("weight", "bias"):
+            parts = [state[f"{src}.{n}.{suffix}"].float() for n in names if f"{src}.{n}.{suffix}" in state]
+            if parts:
+                out[f"{dst}.{suffix}"] = torch.cat(parts, dim=0)
+
+    def positions(side: str, dim: int, count: int) -> torch.Tensor:
+        learned = options.get(f"{side}_learned_pos")
+        table = state[f"{side}.embed_positions.weight"].float() if learned else \
+            fairseq_sinusoids(pad + 1 + count, dim, pad)
+        if table.size(0) < pad + 1 + count:
+            raise UserError(f"the {side}'s learned positions hold {table.size(0) - pad - 1} positions, fewer than "
+                            f"--max-{'source' if side == 'encoder' else 'target'}-positions {count}")
+        return table[pad + 1: pad + 1 + count].clone()
+
+    out["encoder.embed.tokens.weight"] = state["encoder.embed_tokens.weight"].float()
+    out["decoder.embed.tokens.weight"] = state["decoder.embed_tokens.weight"].float()
+    out["decoder.output_projection.weight"] = state.get("decoder.output_projection.weight",
+                                                        state["decoder.embed_tokens.weight"]).float()
+    out["encoder.embed.positions.weight"] = positions("encoder", cfg["encoder_embed_dim"], cfg["max_source_positions"])
+    out["decoder.embed.positions.weight"] = positions("decoder", cfg["decoder_embed_dim"], cfg["max_target_positions"])
+
+    def self_attention_and_ffn(layer: str) -> None:
+        fuse(f"{layer}.self_attn.qkv_proj", f"{layer}.self_attn", ("q_proj", "k_proj", "v_proj"))
+        take(f"{layer}.self_attn.out_proj", f"{layer}.self_attn.out_proj")
+        take(f"{layer}.self_attn_norm", f"{layer}.self_attn_layer_norm")
+        take(f"{layer}.ffn.fc1", f"{layer}.fc1")
+        take(f"{layer}.ffn.fc2", f"{layer}.fc2")
+        take(f"{layer}.ffn_norm", f"{layer}.final_layer_norm")
+
+    for i in range(cfg["encoder_layers"]):
+        self_attention_and_ffn(f"encoder.layers.{i}")
+    for i in range(cfg["decoder_layers"]):
+        layer = f"decoder.layers.{i}"
+        self_attention_and_ffn(layer)
+        take(f"{layer}.cross_attn.q_proj", f"{layer}.encoder_attn.q_proj")
+        fuse(f"{layer}.cross_attn.kv_proj", f"{layer}.encoder_attn", ("k_proj", "v_proj"))
+        take(f"{layer}.cross_attn.out_proj", f"{layer}.encoder_attn.out_proj")
+        take(f"{layer}.cross_attn_norm", f"{layer}.encoder_attn_layer_norm")
+    if cfg.get("encoder_normalize_before"):
+        take("encoder.final_norm", "encoder.layer_norm")
+    if cfg.get("decoder_normalize_before"):
+        take("decoder.final_norm", "decoder.layer_norm")
+    return out
+
+
+def import_checkpoint(path: str | os.PathLike, src_dict_path: str | os.PathLike, tgt_dict_path: str | os.PathLike,
+                      source_lang: str, target_lang: str, spm_model: str | os.PathLike | None = None,
+                      tokenizer: str = "none") -> dict:
+    """An attnmt checkpoint (inference and ``--finetune-from``/``--restore-file``-ready weights, no training state)
+    holding the fairseq model at ``path`` with its dictionaries and, when given, the SentencePiece model its text
+    was segmented with."""
+    from attnmt import checkpoint, registry
+    from attnmt.config import make_config, to_dict
+    from attnmt.data.dictionary import Dictionary
+    from attnmt.models.interface import build_model
+
+    registry.load_builtins()
+    options, state = read_checkpoint(path)
+    dicts = []
+    for what, p in (("source", src_dict_path), ("target", tgt_dict_path)):
+        if not Path(p).is_file():
+            raise UserError(f"{p}: the {what} dictionary was not found; give the fairseq data-bin's dict.LANG.txt "
+                            f"(--data DIR finds them)")
+        dicts.append(Dictionary.load(p))
+    src_dict, tgt_dict = dicts
+    joint = src_dict.checksum() == tgt_dict.checksum()
+    fields = model_config(options, path)
+    if fields.get("share_all_embeddings") and not joint:
+        raise UserError(f"{path}: the model shares all embeddings but {src_dict_path} and {tgt_dict_path} differ; "
+                        f"give the dictionaries it was trained with")
+    for side, d, key in (("encoder", src_dict, "encoder.embed_tokens.weight"),
+                         ("decoder", tgt_dict, "decoder.embed_tokens.weight")):
+        if state[key].size(0) != len(d):
+            raise UserError(f"{path}: the {side} embeddings have {state[key].size(0)} rows but the dictionary has "
+                            f"{len(d)} symbols; give the dictionaries the model was trained with")
+    cfg = make_config(registry.get("model", "transformer").config, fields, what=f"{path} (fairseq options)")
+    weights = convert_from_fairseq(options, state, to_dict(cfg), src_dict.pad())
+    model = build_model("transformer", cfg, len(src_dict), len(tgt_dict), src_dict.pad(), joint_vocab=joint)
+    try:
+        model.load_state_dict(weights, strict=True)
+    except RuntimeError as e:
+        detail = " ".join(str(e).strip().splitlines()[:2])[:300]
+        raise UserError(f"{path}: the weights do not fit a transformer of its options ({detail})") from None
+    bpe, bpe_model = "none", None
+    if spm_model is not None:
+        from attnmt.data.subword import SentencePieceBPE
+
+        SentencePieceBPE.load(spm_model)  # a clear error for a file that is not a SentencePiece model
+        bpe = "sentencepiece"
+        bpe_model = torch.frombuffer(bytearray(Path(spm_model).read_bytes()), dtype=torch.uint8).clone()
+    data = checkpoint.DataSection(source_lang=source_lang, target_lang=target_lang, joint_dictionary=joint,
+                                  src_dict=src_dict.to_state(), tgt_dict=tgt_dict.to_state(),
+                                  src_dict_sha256=src_dict.checksum(), tgt_dict_sha256=tgt_dict.checksum(),
+                                  bpe=bpe, bpe_model=bpe_model, tokenizer=tokenizer)
+    return {"format": checkpoint.FORMAT, "version": checkpoint.VERSION, "model_name": "transformer",
+            "arch": str(options.get("arch") or "transformer"), "model_config": to_dict(cfg),
+            "model": checkpoint.portable_weights(model.state_dict()), "data": data.to_dict(),
+            "imported_from": {"toolkit": "fairseq", "path": str(path)}}
+
+
+# --------------------------------------------------------------------------------------------- writing
+
+
+def convert_to_fairseq(ckpt: dict, pad: int) -> dict[str, torch.Tensor]:
+    """attnmt parameter names and layouts -> fairseq's (positions as fairseq learned-position tables)."""
+    from attnmt.models.transformer import sinusoid_table
+
+    cfg, state = ckpt["model_config"], ckpt["model"]
+    out: dict[str, torch.Tensor] = {}
+
+    def copy(dst: str, src: str) -> None:
+        for suffix in ("weight", "bias"):
+            if f"{src}.{suffix}" in state:
+                out[f"{dst}.{suffix}"] = state[f"{src}.{suffix}"].float()
+
+    def split(dst: str, src: str, names: tuple[str, ...]) -> None:
+        for suffix in ("weight", "bias"):
+            for name, part in zip(names, state[f"{src}.{suffix}"].float().chunk(len(names), dim=0)):
+                out[f"{dst}.{name}.{suffix}"] = part.contiguous()
+
+    def positions(side: str, dim: int, count: int) -> torch.Tensor:
+        table = state[f"{side}.embed.positions.weight"] if cfg.get("learned_pos") else sinusoid_table(count, dim)
+        return torch.cat([torch.zeros(pad + 1, dim), table.float()[:count]])  # fairseq: position p at row p+pad+1
+
+    out["encoder.embed_tokens.weight"] = state["encoder.embed.tokens.weight"].float()
+    out["decoder.embed_tokens.weight"] = state["decoder.embed.tokens.weight"].float()
+    out["decoder.output_projection.weight"] = state["decoder.output_projection.weight"].float()
+    out["encoder.embed_positions.weight"] = positions("encoder", cfg["encoder_embed_dim"], cfg["max_source_positions"])
+    out["decoder.embed_positions.weight"] = positions("decoder", cfg["decoder_embed_dim"], cfg["max_target_positions"])
+    out["encoder.version"] = out["decoder.version"] = torch.tensor([3.0])
+
+    def self_attention_and_ffn(layer: str) -> None:
+        split(f"{layer}.self_attn", f"{layer}.self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj"))
+        copy(f"{layer}.self_attn.out_proj", f"{layer}.self_attn.out_proj")
+        copy(f"{layer}.self_attn_layer_norm", f"{layer}.self_attn_norm")
+        copy(f"{layer}.fc1", f"{layer}.ffn.fc1")
+        copy(f"{layer}.fc2", f"{layer}.ffn.fc2")
+        copy(f"{layer}.final_layer_norm", f"{layer}.ffn_norm")
+
+    for i in range(cfg["encoder_layers"]):
+        self_attention_and_ffn(f"encoder.layers.{i}")
+    for i in range(cfg["decoder_layers"]):
+        layer = f"decoder.layers.{i}"
+        self_attention_and_ffn(layer)
+        copy(f"{layer}.encoder_attn.q_proj", f"{layer}.cross_attn.q_proj")
+        split(f"{layer}.encoder_attn", f"{layer}.cross_attn.kv_proj", ("k_proj", "v_proj"))
+        copy(f"{layer}.encoder_attn.out_proj", f"{layer}.cross_attn.out_proj")
+        copy(f"{layer}.encoder_attn_layer_norm", f"{layer}.cross_attn_norm")
+    if cfg["encoder_normalize_before"]:
+        copy("encoder.layer_norm", "encoder.final_norm")
+    if cfg["decoder_normalize_before"]:
+        copy("decoder.layer_norm", "decoder.final_norm")
+    return out
+
+
+def fairseq_flags(cfg: dict) -> list[str]:
+    """fairseq-train options describing an attnmt Transformer (learned positions: attnmt's table goes with it)."""
+    flags = ["--arch", "transformer", "--encoder-learned-pos", "--decoder-learned-pos"]
+    for name in ("encoder_layers", "decoder_layers", "encoder_embed_dim", "decoder_embed_dim", "encoder_ffn_embed_dim",
+                 "decoder_ffn_embed_dim", "encoder_attention_heads", "decoder_attention_heads",
+                 "max_source_positions", "max_target_positions", "dropout", "attention_dropout",
+                 "activation_dropout"):
+        flags += [f"--{name.replace('_', '-')}", str(cfg[name])]
+    for name in ("share_all_embeddings", "share_decoder_input_output_embed", "encoder_normalize_before",
+                 "decoder_normalize_before", "no_scale_embedding"):
+        if cfg.get(name):
+            flags.append(f"--{name.replace('_', '-')}")
+    if cfg.get("share_all_embeddings") and "--share-decoder-input-output-embed" in flags:
+        flags.remove("--share-decoder-input-output-embed")
+    return flags
+
+
+def export_checkpoint(ckpt: dict, output_dir: str | os.PathLike) -> Path:
+    """Write ``checkpoint.pt`` and ``dict.SRC.txt``/``dict.TGT.txt`` (and ``dict.txt`` when joint) for
+    fairseq-generate/-interactive. Needs fairseq 0.12 importable (its option namespace goes into the file)."""
+    from attnmt.data.dictionary import Dictionary
+    from attnmt.fileio import atomic_torch_save
+
+    try:
+        from fairseq import options as fairseq_options
+    except ImportError:
+        raise UserError("attnmt export --to fairseq writes fairseq's own option namespace and needs fairseq 0.12 in "
+                        "this Python: pip install fairseq==0.12.2") from None
+    if ckpt.get("model_name") != "transformer":
+        raise UserError(f"only the transformer model can be exported, not {ckpt.get('model_name')!r}")
+    data = ckpt["data"]
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    src_dict, tgt_dict = Dictionary.from_state(data["src_dict"]), Dictionary.from_state(data["tgt_dict"])
+    files = [(src_dict, f"dict.{data['source_lang']}.txt"), (tgt_dict, f"dict.{data['target_lang']}.txt")]
+    if data.get("joint_dictionary"):
+        files.append((src_dict, "dict.txt"))
+    for d, name in files:
+        d.save(out / name)
+    flags = [str(out), "--task", "translation", "-s", data["source_lang"], "-t", data["target_lang"],
+             *fairseq_flags(ckpt["model_config"])]
+    args = fairseq_options.parse_args_and_arch(fairseq_options.get_training_parser(), flags)
+    state = convert_to_fairseq(ckpt, pad=src_dict.pad())
+    history = [{"criterion_name": "CrossEntropyCriterion", "optimizer_name": "Adam", "lr_scheduler_state": {},
+                "num_updates": int((ckpt.get("train") or {}).get("num_updates") or 0)}]
+    path = out / "checkpoint.pt"
+    atomic_torch_save({"args": args, "model": state, "optimizer_history": history, "extra_state": {"epoch": 1},
+                       "last_optimizer_state": None}, path)
+    return path
+
+
+def check(path: str | os.PathLike, output_dir: str | os.PathLike, lines: list[str]) -> float:
+    """Largest difference between attnmt's and fairseq's log-probabilities of attnmt's translations of ``lines``
+    (both toolkits score the same pairs token by token, which isolates the conversion from the searches)."""
+    from fairseq import checkpoint_utils
+
+    from attnmt.generation.beam import beam_search
+    from attnmt.generation.search import SearchConfig
+    from attnmt.inference import load_for_inference
+
+    bundle = load_for_inference(path)
+    models, _cfg, _task = checkpoint_utils.load_model_ensemble_and_task(
+        [str(Path(output_dir) / "checkpoint.pt")], arg_overrides={"data": str(output_dir)})
+    model = models[0].eval()
+    cfg = SearchConfig(beam=4, max_len_a=0, max_len_b=50)
+    worst = 0.0
+    for s in bundle.encode_sources(lines):
+        hyp = beam_search(bundle.model, torch.tensor([s]), torch.tensor([len(s)]), cfg, bundle.symbols)[0][0]
+        prev = torch.tensor([[bundle.symbols.eos] + hyp.tokens[:-1]])
+        with torch.no_grad():
+            out, _ = model(torch.tensor([s]), torch.tensor([len(s)]), prev)
+            lp = torch.log_softmax(out.float(), -1)[0].gather(1, torch.tensor(hyp.tokens)[:, None])[:, 0]
+        worst = max(worst, float((lp - torch.tensor(hyp.positional_scores)).abs().max()))
+    return worst

@@ -1,0 +1,181 @@
+"""Other toolkits' models and data: fairseq checkpoints in and out, CTranslate2 out, fairseq data-bins read."""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from attnmt import checkpoint, registry
+from attnmt.errors import UserError
+
+
+def run(args: list[str]) -> tuple[int, str]:
+    from attnmt.cli import cli
+
+    registry.load_plugins()
+    r = CliRunner().invoke(cli, args, catch_exceptions=True)
+    if isinstance(r.exception, UserError):
+        return 1, f"attnmt: error: {r.exception}"
+    if r.exception is not None and not isinstance(r.exception, SystemExit):
+        raise r.exception
+    return r.exit_code, r.stderr
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A small model trained a few updates on the toy task (pre-norm, so the final LayerNorms travel too)."""
+    from helpers import TINY_MODEL, make_data_bin
+
+    root = tmp_path_factory.mktemp("interop")
+    data = make_data_bin(root / "bin", n_train=300)
+    code, err = run(["train", str(data), *TINY_MODEL, "--encoder-layers", "2", "--decoder-layers", "2",
+                     "--encoder-normalize-before", "--decoder-normalize-before", "--save-dir", str(root / "ck"),
+                     "--max-update", "20", "--lr", "5e-3", "--warmup-updates", "5", "--max-tokens", "512",
+                     "--threads", "1", "--progress", "none"])
+    assert code == 0, err
+    return root, data, root / "ck" / "checkpoint_last.pt"
+
+
+def _translate(path, sources, **search):
+    from attnmt.generation.beam import beam_search
+    from attnmt.generation.search import SearchConfig
+    from attnmt.inference import load_for_inference
+
+    bundle = load_for_inference(path)
+    cfg = SearchConfig(**{"beam": 4, "max_len_a": 0, "max_len_b": 12, **search})
+    out = []
+    for s in sources:
+        hyp = beam_search(bundle.model, torch.tensor([s]), torch.tensor([len(s)]), cfg, bundle.symbols)[0][0]
+        out.append((hyp.tokens, hyp.positional_scores))
+    return out
+
+
+def _valid_sources(data, n: int = 12) -> list[list[int]]:
+    from attnmt.data.indexed import IndexedDataset
+
+    ds = IndexedDataset(data / "valid.en-de.en")
+    return [ds[i].astype("int64").tolist() for i in range(n)]
+
+
+def _as_fairseq_file(ckpt: dict, path) -> None:
+    """What fairseq-train 0.12 writes for this model (options as a plain dict, fairseq's parameter names)."""
+    from attnmt.interop.fairseq import SAME_FIELDS, convert_to_fairseq
+
+    cfg = ckpt["model_config"]
+    options = {k: cfg[k] for k in SAME_FIELDS} | {"arch": "transformer", "encoder_learned_pos": True,
+                                                  "decoder_learned_pos": True, "activation_fn": "relu"}
+    state = convert_to_fairseq(ckpt, pad=1)
+    torch.save({"args": None, "cfg": {"model": options, "task": {"source_lang": "en", "target_lang": "de"}},
+                "model": state}, path)
+
+
+def test_fairseq_round_trip_translates_the_same(trained, tmp_path):
+    root, data, ck = trained
+    fs = tmp_path / "fairseq.pt"
+    _as_fairseq_file(checkpoint.load(ck), fs)
+    out = tmp_path / "imported.pt"
+    code, err = run(["import-fairseq", str(fs), "--data", str(data), "--output", str(out)])
+    assert code == 0, err
+    assert "wrote" in err and "en->de" in err
+    sources = _valid_sources(data)
+    mine, theirs = _translate(ck, sources), _translate(out, sources)
+    assert [t for t, _ in mine] == [t for t, _ in theirs]
+    for (_, a), (_, b) in zip(mine, theirs):
+        assert a == pytest.approx(b, abs=1e-5)
+    # the imported checkpoint generates on the data-bin (same dictionaries) and fine-tunes
+    code, err = run(["generate", str(data), "--path", str(out), "--gen-subset", "valid", "--quiet",
+                     "--max-len-b", "8"])
+    assert code == 0, err
+    from helpers import TINY_MODEL
+
+    code, err = run(["train", str(data), *TINY_MODEL, "--encoder-layers", "2", "--decoder-layers", "2",
+                     "--encoder-normalize-before", "--decoder-normalize-before", "--learned-pos",
+                     "--finetune-from", str(out), "--save-dir", str(tmp_path / "ft"), "--max-update", "22",
+                     "--threads", "1", "--progress", "none"])
+    assert code == 0, err
+
+
+def test_import_refuses_what_attnmt_cannot_run(trained, tmp_path):
+    root, data, ck = trained
+    fs = tmp_path / "fairseq.pt"
+    _as_fairseq_file(checkpoint.load(ck), fs)
+    state = torch.load(fs, weights_only=False)
+    state["cfg"]["model"]["activation_fn"] = "gelu"
+    torch.save(state, tmp_path / "gelu.pt")
+    code, err = run(["import-fairseq", str(tmp_path / "gelu.pt"), "--data", str(data), "-o", str(tmp_path / "x.pt")])
+    assert code == 1 and "--activation-fn gelu has no counterpart" in err
+    state["cfg"]["model"].update(activation_fn="relu", arch="fconv_wmt_en_de")
+    torch.save(state, tmp_path / "fconv.pt")
+    code, err = run(["import-fairseq", str(tmp_path / "fconv.pt"), "--data", str(data), "-o", str(tmp_path / "x.pt")])
+    assert code == 1 and "a fairseq 'fconv_wmt_en_de' model" in err
+    code, err = run(["import-fairseq", str(fs), "--data", str(tmp_path), "-o", str(tmp_path / "x.pt")])
+    assert code == 1 and "dict.en.txt: the source dictionary was not found" in err
+    code, err = run(["import-fairseq", str(ck), "--data", str(data), "-o", str(tmp_path / "x.pt")])
+    assert code == 1 and "already an attnmt checkpoint" in err
+    assert not (tmp_path / "x.pt").exists()
+
+
+def test_fairseq_sinusoids_layout():
+    from attnmt.interop.fairseq import fairseq_sinusoids
+
+    table = fairseq_sinusoids(10, 8, padding_idx=1)
+    assert table[1].abs().sum() == 0  # the padding row
+    p = 7  # sines first, then cosines; frequencies exp(-i * log(10000) / (d/2 - 1))
+    assert table[p, 0] == pytest.approx(math.sin(p)) and table[p, 4] == pytest.approx(math.cos(p))
+    assert table[p, 3] == pytest.approx(math.sin(p / 10000), abs=1e-6)
+
+
+def test_ctranslate2_export_scores_as_attnmt(trained, tmp_path):
+    pytest.importorskip("ctranslate2")
+    root, data, ck = trained
+    from attnmt.inference import load_for_inference
+
+    bundle = load_for_inference(ck)
+    sources = _valid_sources(data)
+    src = tmp_path / "src.txt"
+    src.write_text("".join(bundle.source_pieces(s) + "\n" for s in sources))
+    code, err = run(["export", "--path", str(ck), "--to", "ctranslate2", "--output-dir", str(tmp_path / "ct2"),
+                     "--check", str(src)])
+    assert code == 0, err
+    assert "largest log-probability difference" in err
+    import ctranslate2
+
+    tr = ctranslate2.Translator(str(tmp_path / "ct2"), compute_type="float32")
+    res = tr.translate_batch([bundle.source_pieces(s).split() for s in sources], beam_size=1, max_decoding_length=12)
+    greedy = _translate(ck, sources, beam=1)
+    for r, (tokens, _) in zip(res, greedy):  # the same greedy translations (CTranslate2 may stop at its limit)
+        ours = bundle.target_pieces(tokens).split()
+        assert r.hypotheses[0] == ours[:len(r.hypotheses[0])] and len(r.hypotheses[0]) >= min(len(ours), 11)
+    code, err = run(["export", "--path", str(ck), "--to", "fairseq", "--output-dir", str(tmp_path / "fs"),
+                     "--quantization", "int8"])
+    assert code == 1 and "--quantization is a CTranslate2 option" in err
+
+
+def _write_fairseq_index(prefix, seqs, dtype=np.uint16, code=8):
+    """A fairseq-preprocess mmap dataset, written from fairseq's documented layout."""
+    sizes = np.array([len(s) for s in seqs], dtype=np.int32)
+    pointers = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) * np.dtype(dtype).itemsize
+    with open(f"{prefix}.idx", "wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", code) + struct.pack("<Q", len(seqs)))
+        f.write(sizes.tobytes() + pointers.tobytes())
+    np.concatenate([np.asarray(s, dtype=dtype) for s in seqs]).tofile(f"{prefix}.bin")
+
+
+def test_fairseq_data_bins_are_read_as_they_are(tmp_path):
+    from attnmt.data.indexed import IndexedDataset
+
+    seqs = [[5, 6, 2], [7, 2], [9, 10, 11, 12, 2]]
+    _write_fairseq_index(tmp_path / "test.en-de.en", seqs)
+    ds = IndexedDataset(tmp_path / "test.en-de.en")
+    assert [d.tolist() for d in ds] == seqs
+    _write_fairseq_index(tmp_path / "big", seqs, dtype=np.int32, code=4)
+    assert IndexedDataset(tmp_path / "big")[2].tolist() == seqs[2]
+    with open(tmp_path / "big.bin", "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(UserError, match="big.bin: 10 bytes is not a whole number of int32 ids"):
+        IndexedDataset(tmp_path / "big")
