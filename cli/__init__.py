@@ -27,6 +27,7 @@ COMMANDS = {
     "plot": "plot",
     "export": "export",
     "import-fairseq": "import_fairseq",
+    "interactive": "interactive",
 }
 
 

@@ -235,3 +235,20 @@ def test_slurm_tasks_find_their_rendezvous():
         "RANK": "3", "WORLD_SIZE": "16", "LOCAL_RANK": "1", "MASTER_ADDR": "gpu01", "MASTER_PORT": "12345"}
     assert slurm_environ(12345, {**env, "WORLD_SIZE": "2"}) == {}  # torchrun inside the allocation wins
     assert slurm_environ(12345, {}) == {}
+
+
+def test_interactive_prints_fairseq_interactive_lines(bpe_model):
+    root, _ = bpe_model
+    ck = str(root / "ck" / "checkpoint_last.pt")
+    args = ["interactive", str(root / "bin"), "--path", ck, "--beam", "5", "--source-lang", "en", "--target-lang",
+            "de", "--max-len-a", "0", "--max-len-b", "5", "--remove-bpe"]
+    code, out, err = run(args, "hou@@ se dog\nred ca@@ t\n")
+    assert code == 0, err
+    rows = [ln.split("\t") for ln in out.splitlines()]
+    assert [r[0] for r in rows] == ["S-0", "W-0", "H-0", "D-0", "P-0", "S-1", "W-1", "H-1", "D-1", "P-1"]
+    assert rows[0][1] == "hou@@ se dog" and rows[1][2] == "seconds" and float(rows[1][1]) >= 0
+    assert "@@" not in rows[3][2]
+    code, _, err = run([*args[:-1], "--bpe", "subword_nmt", "--bpe-codes", "codes"], "dog\n")
+    assert code == 1 and "--bpe subword_nmt: attnmt does not apply subword-nmt codes" in err
+    code, _, err = run([*args[:9], "fr"], "dog\n")
+    assert code == 1 and "--target-lang fr" in err and "translates en->de" in err
