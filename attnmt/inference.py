@@ -108,8 +108,30 @@ def model_from_checkpoint(ckpt: dict, src_dict, tgt_dict, path: Path) -> Encoder
     return model.eval()
 
 
+def ensemble_paths(path: str | os.PathLike) -> list[str]:
+    """fairseq's ``--path a.pt:b.pt``: the checkpoints of an ensemble (one path unless it names several)."""
+    text = str(path)
+    if os.pathsep not in text or Path(text).exists():
+        return [text]
+    return [p for p in text.split(os.pathsep) if p]
+
+
 def load_for_inference(path: str | os.PathLike, device: str | torch.device = "cpu") -> InferenceBundle:
-    """Everything needed to translate raw text with the checkpoint at ``path`` (a file or a ``model.pt`` dir)."""
+    """Everything needed to translate raw text with the checkpoint at ``path`` (a file or a ``model.pt`` dir), or
+    with the ensemble of ``a.pt:b.pt`` (the members must share their dictionaries and text pipeline)."""
+    paths = ensemble_paths(path)
+    if len(paths) > 1:
+        from attnmt.models.ensemble import Ensemble
+
+        bundles = [load_for_inference(p, device) for p in paths]
+        first = bundles[0]
+        for b in bundles[1:]:
+            differ = [k for k in checkpoint.DataSection.IDENTITY if getattr(b.data, k) != getattr(first.data, k)]
+            if differ:
+                raise UserError(f"{b.path}: cannot join an ensemble with {first.path}: their {', '.join(differ)} "
+                                f"differ (the members must share dictionaries and text pipeline)")
+        return replace(first, model=Ensemble([b.model for b in bundles]), arch="ensemble of " + ", ".join(
+            b.arch for b in bundles))
     from attnmt import registry
 
     registry.load_builtins()

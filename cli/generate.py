@@ -88,7 +88,7 @@ def _binarized_split(bundle, data_bin: str, subset: str):
 @click.argument("data_bin", required=False, metavar="[DATA_BIN]")
 @click.option("--path", "path", required=True, metavar="CKPT",
               help="Checkpoint to translate with (or a directory holding model.pt); it carries the dictionaries "
-                   "and the subword model.")
+                   "and the subword model. a.pt:b.pt: an ensemble (the models' probabilities averaged).")
 @click.option("--gen-subset", default="test", show_default=True, help="Binarized split of DATA_BIN to translate.")
 @click.option("--input", "input_path", metavar="FILE|-",
               help="Translate raw text (one sentence per line; .gz allowed; '-' is stdin) instead of DATA_BIN.")

@@ -43,7 +43,7 @@ def _segmentation(bundle, tokenizer: str | None, bpe: str | None, spm_model: str
 
 @click.command("interactive")
 @click.argument("data_dir", required=False, metavar="[DATA]")
-@click.option("--path", "path", required=True, metavar="CKPT", help="Checkpoint to translate with.")
+@click.option("--path", "path", required=True, metavar="CKPT", help="Checkpoint to translate with; a.pt:b.pt: an ensemble.")
 @click.option("--input", "input_path", default="-", show_default=True, metavar="FILE|-",
               help="Read sentences from this file instead of stdin.")
 @click.option("--buffer-size", type=click.IntRange(min=1), default=64, show_default=True,

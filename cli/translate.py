@@ -78,7 +78,7 @@ def line_batches(stream, limit: int) -> Iterator[list[str]]:
 
 @click.command("translate")
 @click.option("--path", "path", required=True, metavar="CKPT",
-              help="Checkpoint to translate with (or a directory holding model.pt).")
+              help="Checkpoint to translate with (or a directory holding model.pt); a.pt:b.pt: an ensemble.")
 @click.option("--buffer-size", type=click.IntRange(min=1), default=64, show_default=True,
               help="Most lines translated together (only lines already waiting on stdin are batched).")
 @click.option("--format", "fmt", type=click.Choice(["plain", "fairseq"]), default="plain", show_default=True,

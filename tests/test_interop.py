@@ -179,3 +179,30 @@ def test_fairseq_data_bins_are_read_as_they_are(tmp_path):
         f.truncate(10)
     with pytest.raises(UserError, match="big.bin: 10 bytes is not a whole number of int32 ids"):
         IndexedDataset(tmp_path / "big")
+
+
+def test_ensemble_averages_the_members_distributions(trained, tmp_path):
+    """--path a.pt:b.pt: the ensemble's log-probabilities are log(mean(p_a, p_b)); an ensemble of one model twice
+    translates as the model does."""
+    from attnmt.inference import load_for_inference
+
+    root, data, ck = trained
+    other = root / "ck" / "checkpoint1.pt"  # the same run one epoch earlier: another model, same dictionaries
+    if not other.exists():
+        other = sorted((root / "ck").glob("checkpoint[0-9]*.pt"))[0]
+    sources = _valid_sources(data, 6)
+    twice = _translate(f"{ck}:{ck}", sources)
+    assert [t for t, _ in twice] == [t for t, _ in _translate(ck, sources)]
+    pair = load_for_inference(f"{ck}:{other}")
+    a, b = load_for_inference(ck).model, load_for_inference(other).model
+    src = torch.tensor([sources[0]])
+    lengths = torch.tensor([len(sources[0])])
+    prev = torch.tensor([[2, 5, 6]])
+    want = torch.logsumexp(torch.stack([torch.log_softmax(m(src, lengths, prev), -1) for m in (a, b)]), 0) - math.log(2)
+    with torch.no_grad():
+        enc = pair.model.encode(src, lengths)
+        got = torch.log_softmax(pair.model.decode(prev, enc), -1)
+    assert got.numpy() == pytest.approx(want.detach().numpy(), abs=1e-5)
+    code, err = run(["generate", str(data), "--path", f"{ck}:{other}", "--gen-subset", "valid", "--quiet",
+                     "--max-len-b", "8", "--beam", "2"])
+    assert code == 0, err
