@@ -44,6 +44,10 @@ class TranslationTask:
         self.cfg = cfg
         self.data_bin = Path(data_bin)
         if not self.data_bin.is_dir():
+            if ":" in str(data_bin) and all(Path(p).is_dir() for p in str(data_bin).split(":") if p):
+                raise UserError(f"{data_bin}: sharded data directories (fairseq's DIR1:DIR2:...) are not supported; "
+                                f"binarize the corpus into one directory (attnmt preprocess reads it in a stream, "
+                                f"the training data is memory-mapped)")
             raise UserError(f"{data_bin}: no such data directory; pass the --destdir of attnmt preprocess")
         self.meta = DataBinInfo.read(self.data_bin)
         self.src_lang, self.tgt_lang = self._languages()
