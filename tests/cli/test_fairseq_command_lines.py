@@ -10,7 +10,6 @@ from __future__ import annotations
 import shlex
 
 import pytest
-
 from test_fairseq_compat import _bpe_corpus, run
 
 TINY = "--encoder-layers 1 --decoder-layers 1 --encoder-embed-dim 16 --decoder-embed-dim 16 " \
