@@ -43,6 +43,10 @@ def command(fairseq_checkpoint, data_dir, srcdict, tgtdict, source_lang, target_
     options, _ = read_checkpoint(fairseq_checkpoint)
     src = source_lang or options.get("source_lang")
     tgt = target_lang or options.get("target_lang")
+    if (not src or not tgt) and data_dir:  # as fairseq does: from the data-bin's file names (SPLIT.SRC-TGT.LANG)
+        pairs = {p.name.split(".")[-3] for p in Path(data_dir).glob("*.*-*.*.idx")}
+        if len(pairs) == 1:
+            src, tgt = (src or next(iter(pairs)).split("-")[0]), (tgt or next(iter(pairs)).split("-")[1])
     if not src or not tgt:
         raise UserError(f"{fairseq_checkpoint}: the checkpoint does not name its languages; give -s SRC -t TGT")
     if data_dir is None and (srcdict is None or tgtdict is None):

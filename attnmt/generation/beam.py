@@ -36,8 +36,9 @@ class BeamSearchConfig:
     early_stop: Literal["exact", "beam"] = field(default="exact", metadata={
         "help": "When a sentence stops: exact (once no live hypothesis can beat its n-best list: the result of an "
                 "unbounded search) or beam (also once --beam hypotheses ending in EOS have ranked among the --beam best "
-                "extensions of a step, as fairseq and CTranslate2 stop: "
-                "fewer decoder steps, but a longer hypothesis that would have scored higher can be missed)."})
+                "extensions of a step, as fairseq and CTranslate2 stop; as in fairseq, only EOS extensions among "
+                "those --beam best finish a hypothesis: fewer decoder steps, but a hypothesis that would have scored "
+                "higher can be missed)."})
 
 
 def _options(cfg: SearchConfig) -> BeamSearchConfig:
@@ -85,6 +86,8 @@ def beam_search(model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: Ten
                                                            scores.view(-1), K, cfg, sym, row_bucket)  # (A, C) each
         is_eos = tok == sym.eos
         fin = is_eos & (top_s > NEG_INF)
+        if beam_stop:  # fairseq's rule: only EOS extensions among the `beam` best finish a hypothesis
+            fin[:, K:] = False
         if bool(fin.any()):
             local, c = fin.nonzero(as_tuple=True)
             finalize(finished, kth_best, sent_ids, local, local * K + beam_i[local, c], tokens, pos_scores, step,
@@ -147,6 +150,8 @@ def greedy_search(model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: T
                                                         row_bucket)
         is_eos = top_i == sym.eos
         fin = is_eos & (top_s > NEG_INF)
+        if beam_stop:  # fairseq's rule: only the best extension can finish
+            fin[:, 1:] = False
         if bool(fin.any()):
             local, c = fin.nonzero(as_tuple=True)
             finalize(finished, kth_best, sent_ids, local, local, tokens, pos_scores, step, top_lp[local, c],
