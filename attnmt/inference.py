@@ -78,8 +78,8 @@ class InferenceBundle:
         if symbol is None:
             return None
         if self.tgt_pipeline.merges_subwords():
-            return (f"--remove-bpe {symbol.strip()}: {self.path.name} carries its own subword model, whose decoding "
-                    f"already merges subwords; the option changes nothing")
+            return (f"--remove-bpe {symbol.strip()}: the text pipeline of {self.path.name} already merges subwords "
+                    f"(its own subword model); the option changes nothing")
         self.remove_bpe = symbol
         self.src_pipeline = self.src_pipeline.removing_markers(symbol)
         self.tgt_pipeline = self.tgt_pipeline.removing_markers(symbol)

@@ -19,18 +19,21 @@ from attnmt.errors import UserError
 from attnmt.generation.generator import GenerationConfig
 
 
-def _segmentation(bundle, tokenizer: str | None, bpe: str | None, spm_model: str | None) -> None:
+def _segmentation(bundle, tokenizer: str | None, bpe: str | None, spm_model: str | None,
+                  bpe_codes: str | None) -> None:
     """Apply fairseq-interactive's --tokenizer/--bpe to a checkpoint that reads pieces (imported from fairseq)."""
-    from attnmt.data.subword import SentencePieceBPE, TextPipeline, build_tokenizer
+    from attnmt.data.subword import NoTokenizer, SentencePieceBPE, SubwordNmtBPE, TextPipeline, build_tokenizer
 
     if bpe in (None, "none") and tokenizer in (None, "none"):
         return
-    if bpe == "subword_nmt":
-        raise UserError("--bpe subword_nmt: attnmt does not apply subword-nmt codes; segment the input with "
-                        "subword-nmt apply-bpe -c CODES and keep --remove-bpe, or import the model with --spm")
-    if bundle.src_pipeline.merges_subwords() or type(bundle.src_pipeline.tokenizer).__name__ != "NoTokenizer":
+    if bundle.src_pipeline.merges_subwords() or not isinstance(bundle.src_pipeline.tokenizer, NoTokenizer):
         return  # the checkpoint segments (and tokenizes) raw text itself, as it was trained
     bpe_model = None
+    if bpe == "subword_nmt":
+        if not bpe_codes:
+            raise UserError("--bpe subword_nmt needs --bpe-codes FILE (the codes the training text was segmented "
+                            "with)")
+        bpe_model = SubwordNmtBPE.load(bpe_codes)
     if bpe == "sentencepiece":
         if not spm_model:
             raise UserError("--bpe sentencepiece needs --sentencepiece-model FILE (the model the training text was "
@@ -55,7 +58,7 @@ def _segmentation(bundle, tokenizer: str | None, bpe: str | None, spm_model: str
 @click.option("--bpe", type=click.Choice(["none", "sentencepiece", "subword_nmt"]),
               help="For a checkpoint that reads pieces: segment raw input with this subword model.")
 @click.option("--sentencepiece-model", metavar="FILE", help="The SentencePiece model of --bpe sentencepiece.")
-@click.option("--bpe-codes", metavar="FILE", help="fairseq's subword-nmt codes (see --bpe subword_nmt).")
+@click.option("--bpe-codes", metavar="FILE", help="The subword-nmt codes of --bpe subword_nmt.")
 @click.option("--quiet", is_flag=True, help="No summary on stderr.")
 @remove_bpe_option
 def command(data_dir, path, input_path, buffer_size, source_lang, target_lang, tokenizer, bpe, sentencepiece_model,
@@ -84,7 +87,7 @@ def command(data_dir, path, input_path, buffer_size, source_lang, target_lang, t
                                 f"{bundle.target_lang}")
         if data_dir:
             check_data_dir(bundle, data_dir)
-        _segmentation(bundle, tokenizer, bpe, sentencepiece_model)
+        _segmentation(bundle, tokenizer, bpe, sentencepiece_model, bpe_codes)
         note = bundle.with_remove_bpe(remove_bpe)
         if note and not quiet:
             click.echo(f"attnmt interactive: {note}", err=True)

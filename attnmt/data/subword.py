@@ -227,6 +227,93 @@ class SentencePieceBPE(SubwordModel):
         return [self._sp.id_to_piece(i) for i in range(self._sp.get_piece_size())]
 
 
+@dataclass
+class SubwordNmtConfig:
+    vocab_size: int = field(default=8000, metadata={"help": "number of BPE merge operations to learn"})
+    max_sentences: int = field(default=1_000_000, metadata={
+        "help": "learn on at most this many sentences (a fixed-seed sample of both languages)"})
+    seed: int = field(default=1, metadata={"help": "seed of the sentence sample"})
+
+
+def _subword_nmt():
+    try:
+        from subword_nmt import apply_bpe, learn_bpe
+    except ImportError:
+        raise UserError("--bpe subword_nmt needs the subword-nmt package: pip install 'attnmt[subword-nmt]' (or "
+                        "subword-nmt)") from None
+    return apply_bpe, learn_bpe
+
+
+@register("bpe", "subword_nmt", config=SubwordNmtConfig)
+class SubwordNmtBPE(SubwordModel):
+    """Joint BPE of Sennrich et al. (2016) through the subword-nmt package: ``@@ `` marks a word's inner pieces,
+    the codes file is what fairseq's ``--bpe subword_nmt --bpe-codes`` reads."""
+
+    def __init__(self, codes: bytes):
+        apply_bpe, _ = _subword_nmt()
+        self._codes = bytes(codes)
+        try:
+            self._bpe = apply_bpe.BPE(io.StringIO(self._codes.decode("utf-8")))
+        except (ValueError, IndexError, UnicodeDecodeError) as e:
+            raise UserError(f"not a subword-nmt codes file ({e}); pass the codes written by subword-nmt learn-bpe "
+                            f"or attnmt preprocess --bpe subword_nmt") from None
+        self.training_sentences: int | None = None
+
+    @classmethod
+    def train(cls, files: list[str], vocab_size: int, model_path_prefix: str, max_sentences: int = 1_000_000,
+              cfg: SubwordNmtConfig | None = None) -> SubwordNmtBPE:
+        """Learn ``vocab_size`` merges on the lines of ``files`` (sampled as for SentencePiece); write
+        ``model_path_prefix.codes``."""
+        _, learn_bpe = _subword_nmt()
+        cfg = cfg or SubwordNmtConfig(vocab_size=vocab_size, max_sentences=max_sentences)
+        total = sum(1 for _ in _nonempty_lines(files))
+        n = min(total, max_sentences) if max_sentences > 0 else total
+        if n == 0:
+            raise UserError(f"{', '.join(map(str, files))}: no non-empty lines to learn BPE from; check the "
+                            f"training files")
+        text = io.StringIO("".join(line.rstrip("\n") + "\n" for line in _sample(files, total, n, cfg.seed)))
+        codes = io.StringIO()
+        learn_bpe.learn_bpe(text, codes, vocab_size, min_frequency=2, verbose=False)
+        data = codes.getvalue().encode("utf-8")
+        with atomic_open(f"{model_path_prefix}.codes", "wb") as f:
+            f.write(data)
+        model = cls(data)
+        model.training_sentences = n
+        return model
+
+    @classmethod
+    def load(cls, model_path: str | os.PathLike) -> SubwordNmtBPE:
+        try:
+            data = Path(model_path).read_bytes()
+        except FileNotFoundError:
+            raise UserError(f"{model_path}: subword-nmt codes not found; pass the codes file of subword-nmt "
+                            f"learn-bpe (fairseq's bpecodes)") from None
+        return cls(data)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, what: str = "subword-nmt codes") -> SubwordNmtBPE:
+        return cls(data)
+
+    def encode(self, text: str) -> str:
+        return self._bpe.segment(text.strip())
+
+    def encode_batch(self, lines: list[str], num_threads: int = -1) -> list[str]:
+        return [self._bpe.segment(line.strip()) for line in lines]
+
+    def decode(self, pieces: str) -> str:
+        return remove_bpe(" ".join(pieces.split()), "@@ ")
+
+    def model_bytes(self) -> bytes:
+        return self._codes
+
+    def describe(self) -> dict:
+        info: dict = {"merges": sum(1 for ln in self._codes.decode("utf-8").splitlines()
+                                    if ln and not ln.startswith("#version"))}
+        if self.training_sentences is not None:
+            info["sentences_used"] = self.training_sentences
+        return info
+
+
 def _nonempty_lines(files: list[str]) -> Iterator[str]:
     for p in files:
         with open(p, encoding="utf-8") as f:

@@ -96,7 +96,7 @@ def _preprocess(cfg: PreprocessConfig, splits: list[Split], quiet: bool, t0: flo
 
 
 def _bpe_model_name(bpe: str) -> str:
-    return "spm.model" if bpe == "sentencepiece" else f"{bpe}.model"
+    return {"sentencepiece": "spm.model", "subword_nmt": "bpecodes"}.get(bpe, f"{bpe}.model")
 
 
 def _build(cfg: PreprocessConfig, splits: list[Split], scans: dict[str, ScanResult], fingerprint: dict,
@@ -117,8 +117,8 @@ def _build(cfg: PreprocessConfig, splits: list[Split], scans: dict[str, ScanResu
     normalized: dict[tuple[str, int], dict[str, str]] = {}
     model_file: str | None = None
     bpe_info: dict[str, Any] = {}
-    if cfg.spm_model:
-        bpe = bpe_cls.load(cfg.spm_model)
+    if cfg.spm_model or cfg.bpe_codes:
+        bpe = bpe_cls.load(cfg.spm_model or cfg.bpe_codes)
     elif cfg.bpe != "none" and train is not None:
         jobs = []
         for p in parts[train.name]:
@@ -251,7 +251,7 @@ def _summary(cfg, splits, scans, fingerprint, enc, totals, dicts, dict_paths, bp
         "bpe": cfg.bpe,
         "bpe_model": bpe_info.get("model"),
         "bpe_settings": {"vocab_size": cfg.vocab_size, "max_sentences": cfg.bpe_max_sentences,
-                         "reused_model": cfg.spm_model, **bpe_info},
+                         "reused_model": cfg.spm_model or cfg.bpe_codes, **bpe_info},
         "tokenizer": cfg.tokenizer,
         "lowercase": cfg.lowercase,
         "vocab_size": cfg.vocab_size,

@@ -10,7 +10,8 @@ FORMAT_VERSION = 1
 ENCODE_BATCH = 10_000
 MAX_PART_LINES = 100 * 1024  # bounds a worker's memory: a part's text and pieces are held in RAM
 # options that do not change the output (so they do not make a destdir "different")
-NEUTRAL_OPTIONS = ("destdir", "workers", "trainpref", "validpref", "testpref", "srcdict", "tgtdict", "spm_model")
+NEUTRAL_OPTIONS = ("destdir", "workers", "trainpref", "validpref", "testpref", "srcdict", "tgtdict", "spm_model",
+                   "bpe_codes")
 
 
 @dataclass
@@ -28,12 +29,16 @@ class PreprocessConfig:
     destdir: str = field(default="data-bin", metadata={"help": "output directory"})
     workers: int = field(default=1, metadata={"help": "number of parallel processes"})
     bpe: str = field(default="none", metadata={
-        "help": "subword model: sentencepiece (learn a joint BPE model) or none (text is already segmented)"})
-    vocab_size: int = field(default=8000, metadata={"help": "number of subword pieces to learn (--bpe sentencepiece)"})
+        "help": "subword model: sentencepiece (learn a joint BPE model), subword_nmt (learn joint subword-nmt BPE "
+                "codes, '@@ ' pieces) or none (text is already segmented)"})
+    vocab_size: int = field(default=8000, metadata={
+        "help": "number of subword pieces (--bpe sentencepiece) or merge operations (--bpe subword_nmt) to learn"})
     bpe_max_sentences: int = field(default=1_000_000, metadata={
         "help": "learn the subword model on at most this many sentences (a fixed-seed sample; 0 = all)"})
     spm_model: str | None = field(default=None, metadata={
         "help": "reuse this SentencePiece model instead of learning one (e.g. to binarize new test data)"})
+    bpe_codes: str | None = field(default=None, metadata={
+        "help": "reuse these subword-nmt codes (fairseq's bpecodes) instead of learning them (--bpe subword_nmt)"})
     tokenizer: str = field(default="none", metadata={"help": "word tokenizer applied before subwords: moses or none"})
     lowercase: bool = field(default=False, metadata={"help": "lowercase the text (after tokenization)"})
     joined_dictionary: bool = field(default=False, metadata={
@@ -65,6 +70,8 @@ class PreprocessConfig:
             raise UserError(f"--bpe-max-sentences must be >= 0 (0 = all), got {self.bpe_max_sentences}")
         if self.spm_model and self.bpe != "sentencepiece":
             raise UserError("--spm-model needs --bpe sentencepiece")
+        if self.bpe_codes and self.bpe != "subword_nmt":
+            raise UserError("--bpe-codes needs --bpe subword_nmt")
         if not self.trainpref:
             if not (self.srcdict and (self.tgtdict or self.joined_dictionary)):
                 raise UserError("without --trainpref there is nothing to build dictionaries from; pass --srcdict "
@@ -72,3 +79,5 @@ class PreprocessConfig:
             if self.bpe == "sentencepiece" and not self.spm_model:
                 raise UserError("without --trainpref there is nothing to learn SentencePiece from; pass the "
                                 "--spm-model of an earlier preprocessing")
+            if self.bpe == "subword_nmt" and not self.bpe_codes:
+                raise UserError("without --trainpref there is nothing to learn BPE codes from; pass --bpe-codes")

@@ -30,7 +30,7 @@ def make_fingerprint(cfg: PreprocessConfig, splits: list[Split], scans: dict[str
     opts = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NEUTRAL_OPTIONS}
     inputs = {s.name: {lang: scans[p].sha256 for lang, p in s.paths.items()} for s in splits}
     reused = {}
-    for name in ("srcdict", "tgtdict", "spm_model"):
+    for name in ("srcdict", "tgtdict", "spm_model", "bpe_codes"):
         path = getattr(cfg, name)
         if path:
             if not os.path.isfile(path):

@@ -113,8 +113,15 @@ def test_interactive_line(trained, tmp_path):
     data, ckpt = trained
     g1 = ("interactive --path {c} {d} --beam 5 --source-lang en --target-lang de --tokenizer moses --bpe subword_nmt "
           "--bpe-codes {o}/bpecodes")
-    code, _, err = run(line(g1, c=ckpt, d=data, o=tmp_path), "Why is it rare?\n")
-    assert code == 1 and "--bpe subword_nmt" in err and "apply-bpe" in err
+    from attnmt.data.subword import SubwordNmtBPE
+
+    corpus = tmp_path / "raw.txt"  # the codes the model's training text was segmented with, in effect
+    corpus.write_text("the house is red\nwhy is the garden small\nthe cat and the dog\n" * 20)
+    SubwordNmtBPE.train([str(corpus)], 30, str(tmp_path / "bpe"))
+    (tmp_path / "bpe.codes").rename(tmp_path / "bpecodes")
+    code, out, err = run(line(g1, c=ckpt, d=data, o=tmp_path) + ["--max-len-b", "4"], "Why is the house red?\n")
+    assert code == 0, err
+    assert [ln.split("\t")[0] for ln in out.splitlines()] == ["S-0", "W-0", "H-0", "D-0", "P-0"]
     code, out, err = run(line("interactive --path {c} {d} --beam 5 --source-lang en --target-lang de --remove-bpe",
                               c=ckpt, d=data) + ["--max-len-b", "4"], "hou@@ se dog\n")
     assert code == 0, err

@@ -99,7 +99,7 @@ def test_remove_bpe_with_a_subword_model_of_attnmt_changes_nothing(tmp_path):
                              source_lang="en", target_lang="de", path=Path("model.pt"))
     pieces = pipe.encode("the small dog runs")
     note = bundle.with_remove_bpe("@@ ")
-    assert "model.pt carries its own subword model" in note and "changes nothing" in note
+    assert "model.pt already merges subwords" in note and "changes nothing" in note
     assert bundle.detokenize(pieces) == "the small dog runs" and bundle.hypothesis_pieces(pieces) == pieces
 
 
@@ -248,7 +248,61 @@ def test_interactive_prints_fairseq_interactive_lines(bpe_model):
     assert [r[0] for r in rows] == ["S-0", "W-0", "H-0", "D-0", "P-0", "S-1", "W-1", "H-1", "D-1", "P-1"]
     assert rows[0][1] == "hou@@ se dog" and rows[1][2] == "seconds" and float(rows[1][1]) >= 0
     assert "@@" not in rows[3][2]
-    code, _, err = run([*args[:-1], "--bpe", "subword_nmt", "--bpe-codes", "codes"], "dog\n")
-    assert code == 1 and "--bpe subword_nmt: attnmt does not apply subword-nmt codes" in err
+    code, _, err = run([*args[:-1], "--bpe", "subword_nmt"], "dog\n")
+    assert code == 1 and "--bpe subword_nmt needs --bpe-codes FILE" in err
     code, _, err = run([*args[:9], "fr"], "dog\n")
     assert code == 1 and "--target-lang fr" in err and "translates en->de" in err
+
+
+def test_subword_nmt_bpe_learned_at_preprocess_and_applied_at_translation(tmp_path):
+    """preprocess --bpe subword_nmt learns joint codes (stored in the data-bin and the checkpoint); raw text is then
+    segmented with them and the output merged, as with SentencePiece."""
+    from helpers import TINY_MODEL
+
+    from attnmt.data.subword import SubwordNmtBPE
+
+    rng = random.Random(1)
+    words = ["houses", "gardens", "dogs", "cats", "reddish", "blueish", "smallest", "biggest", "the", "a"]
+    for split, n in (("train", 300), ("valid", 10)):
+        lines = [" ".join(rng.choice(words) for _ in range(rng.randint(2, 7))) for _ in range(n)]
+        (tmp_path / f"{split}.en").write_text("\n".join(lines) + "\n")
+        (tmp_path / f"{split}.de").write_text("\n".join(lines) + "\n")
+    code, _, err = run(["preprocess", "-s", "en", "-t", "de", "--trainpref", str(tmp_path / "train"), "--validpref",
+                        str(tmp_path / "valid"), "--destdir", str(tmp_path / "bin"), "--bpe", "subword_nmt",
+                        "--vocab-size", "20", "--joined-dictionary", "--quiet"])
+    assert code == 0, err
+    codes = tmp_path / "bin" / "bpecodes"
+    bpe = SubwordNmtBPE.load(codes)
+    pieces = bpe.encode("the smallest gardens")
+    assert "@@ " in pieces and bpe.decode(pieces) == "the smallest gardens"
+    dictionary = (tmp_path / "bin" / "dict.en.txt").read_text()
+    assert any(line.split()[0].endswith("@@") for line in dictionary.splitlines())
+    code, _, err = run(["train", str(tmp_path / "bin"), *TINY_MODEL, "--save-dir", str(tmp_path / "ck"),
+                        "--max-update", "2", "--max-tokens", "256", "--threads", "1", "--progress", "none"])
+    assert code == 0, err
+    code, out, err = run(["translate", "--path", str(tmp_path / "ck" / "checkpoint_last.pt"), "--max-len-a", "0",
+                          "--max-len-b", "6", "--format", "fairseq", "--quiet"], "the smallest gardens\n")
+    assert code == 0, err
+    h = next(ln for ln in out.splitlines() if ln.startswith("H-")).split("\t")[2]
+    d = next(ln for ln in out.splitlines() if ln.startswith("D-")).split("\t")[2]
+    assert d == SubwordNmtBPE.load(codes).decode(h) and "@@" not in d
+    code, _, err = run(["preprocess", "-s", "en", "-t", "de", "--trainpref", str(tmp_path / "train"), "--destdir",
+                        str(tmp_path / "x"), "--bpe-codes", str(codes)])
+    assert code == 1 and "--bpe-codes needs --bpe subword_nmt" in err
+
+
+def test_tensorboard_logdir_gets_the_train_and_valid_scalars(bpe_model, tmp_path):
+    pytest.importorskip("tensorboard")
+    from helpers import TINY_MODEL
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    root, _ = bpe_model
+    code, _, err = run(["train", str(root / "bin"), *TINY_MODEL, "--save-dir", str(tmp_path / "ck"),
+                        "--max-update", "2", "--max-tokens", "256", "--log-interval", "1", "--threads", "1",
+                        "--progress", "none", "--tensorboard-logdir", str(tmp_path / "tb")])
+    assert code == 0, err
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    assert "train/loss" in tags and "valid/valid/loss" in tags
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2]
