@@ -206,3 +206,25 @@ def test_ensemble_averages_the_members_distributions(trained, tmp_path):
     code, err = run(["generate", str(data), "--path", f"{ck}:{other}", "--gen-subset", "valid", "--quiet",
                      "--max-len-b", "8", "--beam", "2"])
     assert code == 0, err
+
+
+def test_training_on_a_fairseq_data_bin(tmp_path):
+    """A data-bin as fairseq-preprocess writes it (MMIDIDX indexes, no preprocess.json; the pair de->en sorts
+    backwards): attnmt trains on it, in the direction its file names give."""
+    from helpers import TINY_MODEL, make_data_bin
+
+    from attnmt.data.indexed import IndexedDataset
+
+    ours = make_data_bin(tmp_path / "ours", n_train=60)
+    theirs = tmp_path / "fairseq-bin"
+    theirs.mkdir()
+    names = {"en": "xx", "de": "aa"}  # source xx, target aa: alphabetical order would get the direction wrong
+    for lang, new in names.items():
+        (theirs / f"dict.{new}.txt").write_text((ours / f"dict.{lang}.txt").read_text())
+        for split in ("train", "valid"):
+            ds = IndexedDataset(ours / f"{split}.en-de.{lang}")
+            _write_fairseq_index(theirs / f"{split}.xx-aa.{new}", [d.tolist() for d in ds])
+    code, err = run(["train", str(theirs), *TINY_MODEL, "--save-dir", str(tmp_path / "ck"), "--max-update", "1",
+                     "--max-tokens", "256", "--threads", "1", "--progress", "lines"])
+    assert code == 0, err
+    assert "xx->aa" in err

@@ -71,6 +71,12 @@ class TranslationTask:
         tgt = self.cfg.target_lang or self.meta.target_lang
         if src and tgt:
             return str(src), str(tgt)
+        # a data-bin without preprocess.json (fairseq-preprocess's): the direction from its file names
+        pairs = {p.name.split(".")[-3] for p in self.data_bin.glob("*.*-*.*.idx")}
+        pairs = {p for p in pairs if (not src or p.startswith(f"{src}-")) and (not tgt or p.endswith(f"-{tgt}"))}
+        if len(pairs) == 1:
+            a, b = next(iter(pairs)).split("-", 1)
+            return str(src or a), str(tgt or b)
         langs = sorted(p.name[len("dict."):-len(".txt")] for p in self.data_bin.glob("dict.*.txt"))
         if len(langs) != 2:
             raise UserError(f"{self.data_bin}: cannot tell the languages (found dictionaries for {langs or 'none'}); "
