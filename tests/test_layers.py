@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("models", ("attnmt.models",)),
     ("components", ("attnmt.criterions", "attnmt.optim", "attnmt.tasks", "attnmt.checkpoint", "attnmt.backends")),
     ("inference", ("attnmt.generation", "attnmt.inference", "attnmt.averaging", "attnmt.builtins")),
-    ("work", ("attnmt.training", "attnmt.preprocess", "attnmt.plots")),
+    ("work", ("attnmt.training", "attnmt.preprocess", "attnmt.plots", "attnmt.interop")),
     ("commands", ("attnmt.cli",)),
 ]
 # the one upward import: the registry imports the built-in components when first asked for a name
