@@ -34,8 +34,9 @@ def _no_log(_msg: str) -> None:
 # --------------------------------------------------------------------------------------------------- selection
 
 def select_checkpoints(directory: str | os.PathLike, num_update_checkpoints: int | None = None,
-                       num_epoch_checkpoints: int | None = None) -> list[Path]:
-    """The last N checkpoints in ``directory``, oldest first, ordered by the number in the file name.
+                       num_epoch_checkpoints: int | None = None, upper_bound: int | None = None) -> list[Path]:
+    """The last N checkpoints in ``directory``, oldest first, ordered by the number in the file name; with
+    ``upper_bound`` (fairseq's ``--checkpoint-upper-bound``) the last N up to that epoch or update number.
 
     File names, not modification times, decide: mtimes change when a directory is copied or synced.
     Update checkpoints ``checkpoint_{epoch}_{updates}.pt`` are ordered by updates; epoch checkpoints
@@ -61,17 +62,19 @@ def select_checkpoints(directory: str | os.PathLike, num_update_checkpoints: int
         if m:
             nums = tuple(int(g) for g in m.groups())
             key = (nums[1], nums[0]) if pattern is UPDATE_PATTERN else nums
-            found.append((key, directory / name))
+            if upper_bound is None or key[0] <= upper_bound:
+                found.append((key, directory / name))
     found.sort()
     if len(found) < n:
         names = ", ".join(p.name for _, p in found) or "none"
-        raise UserError(f"{directory}: found {len(found)} checkpoint(s) matching {shown}, need {n} ({names}); "
+        bound = f" up to --checkpoint-upper-bound {upper_bound}" if upper_bound is not None else ""
+        raise UserError(f"{directory}: found {len(found)} checkpoint(s) matching {shown}{bound}, need {n} ({names}); "
                         f"lower {option}, or save checkpoints with that naming")
     return [p for _, p in found[-n:]]
 
 
 def resolve_inputs(inputs: Sequence[str | os.PathLike], num_update_checkpoints: int | None = None,
-                   num_epoch_checkpoints: int | None = None) -> list[Path]:
+                   num_epoch_checkpoints: int | None = None, upper_bound: int | None = None) -> list[Path]:
     """One directory (then pick the last N) or an explicit list of files (averaged exactly as given)."""
     paths = [Path(p) for p in inputs]
     if not paths:
@@ -80,7 +83,10 @@ def resolve_inputs(inputs: Sequence[str | os.PathLike], num_update_checkpoints: 
     if dirs:
         if len(paths) > 1:
             raise UserError(f"{dirs[0]}: is a directory among several inputs; give one directory or a list of files")
-        return select_checkpoints(dirs[0], num_update_checkpoints, num_epoch_checkpoints)
+        return select_checkpoints(dirs[0], num_update_checkpoints, num_epoch_checkpoints, upper_bound)
+    if upper_bound is not None:
+        raise UserError("--checkpoint-upper-bound selects from a directory with --num-*-checkpoints; with explicit "
+                        "files every file given is averaged")
     if num_update_checkpoints is not None or num_epoch_checkpoints is not None:
         raise UserError("--num-update-checkpoints / --num-epoch-checkpoints select from a directory; with explicit "
                         "files every file given is averaged (drop the option or give a directory)")

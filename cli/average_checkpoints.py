@@ -15,7 +15,9 @@ import click
               help="From a directory: the last N checkpoint_{epoch}_{updates}.pt by update number.")
 @click.option("--num-epoch-checkpoints", type=int, default=None, metavar="N",
               help="From a directory: the last N checkpoint{epoch}.pt by epoch number.")
-def command(inputs, more_inputs, output, num_update_checkpoints, num_epoch_checkpoints):
+@click.option("--checkpoint-upper-bound", type=int, default=None, metavar="N",
+              help="With --num-*-checkpoints: only checkpoints up to epoch (or update) N (fairseq's option).")
+def command(inputs, more_inputs, output, num_update_checkpoints, num_epoch_checkpoints, checkpoint_upper_bound):
     """Average model parameters of several checkpoints of one run (the paper averages the last 5 or 20).
 
     \b
@@ -27,7 +29,8 @@ def command(inputs, more_inputs, output, num_update_checkpoints, num_epoch_check
     """
     from attnmt.averaging import average_to_file, resolve_inputs
 
-    paths = resolve_inputs([*inputs, *more_inputs], num_update_checkpoints, num_epoch_checkpoints)
+    paths = resolve_inputs([*inputs, *more_inputs], num_update_checkpoints, num_epoch_checkpoints,
+                           checkpoint_upper_bound)
     click.echo(f"averaging {len(paths)} checkpoint(s):", err=True)
     average_to_file(paths, output, log=lambda msg: click.echo(f"  {msg}", err=True))
     click.echo(f"wrote {output} (averaged from {len(paths)} checkpoint(s))", err=True)

@@ -106,6 +106,13 @@ def test_last_n_by_number_not_mtime(tmp_path):
         os.utime(tmp_path / f"checkpoint{epoch}.pt", (10_000 - epoch, 10_000 - epoch))
     picked = resolve_inputs([str(tmp_path)], num_epoch_checkpoints=2)
     assert [p.name for p in picked] == ["checkpoint10.pt", "checkpoint11.pt"]
+    # fairseq's --checkpoint-upper-bound: the last N up to that epoch (or update)
+    picked = resolve_inputs([str(tmp_path)], num_epoch_checkpoints=2, upper_bound=10)
+    assert [p.name for p in picked] == ["checkpoint3.pt", "checkpoint10.pt"]
+    picked = select_checkpoints(tmp_path, num_update_checkpoints=2, upper_bound=9000)
+    assert [p.name for p in picked] == ["checkpoint_2_1100.pt", "checkpoint_9_9000.pt"]
+    with pytest.raises(UserError, match="up to --checkpoint-upper-bound 1, need 2"):
+        select_checkpoints(tmp_path, num_epoch_checkpoints=2, upper_bound=1)
 
 
 def test_too_few_and_option_errors(tmp_path):
