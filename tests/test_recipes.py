@@ -132,7 +132,7 @@ def test_corrupted_data_file_is_reported_with_both_checksums(tmp_path):
     (bad / "val.de.gz").write_bytes(b"not gzip at all")
     r = subprocess.run(["python", str(ROOT / "recipes" / "fetch_data.py"),
                         str(ROOT / "recipes" / "multi30k" / "manifest.tsv"), "--out", str(tmp_path / "raw"),
-                        "--data-dir", str(bad)], capture_output=True, text=True)
+                        "--data-dir", str(bad), "--langs", "en,de"], capture_output=True, text=True)
     assert r.returncode == 1
     line = next(ln for ln in r.stderr.splitlines() if "error" in ln)
     assert "val.de.gz" in line and "expected 660e09eb7e1da2f8" in line and "found" in line
