@@ -8,6 +8,7 @@ positional data directory) is optional, since the checkpoint carries its diction
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -93,6 +94,8 @@ def command(data_dir, path, input_path, buffer_size, source_lang, target_lang, t
             click.echo(f"attnmt interactive: {note}", err=True)
         if sys.stdin.isatty() and input_path == "-" and not quiet:
             click.echo("attnmt interactive: type the input sentence and press return (Ctrl-D ends):", err=True)
+        if input_path != "-" and not os.path.isfile(input_path):
+            raise UserError(f"{input_path}: --input not found; give a text file, or - for stdin")
         stream = sys.stdin if input_path == "-" else open(input_path, encoding="utf-8")  # noqa: SIM115
         first, out = 0, sys.stdout
         try:
