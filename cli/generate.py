@@ -60,6 +60,12 @@ def remove_bpe_option(command):
              "output words without it.")(command)
 
 
+def print_summary(command: str, generator, search_cfg: SearchConfig, start: float) -> None:
+    """The end-of-run lines on stderr: speed, then the search and its scoring formula."""
+    click.echo(f"attnmt {command}: {generator.stats.summary(time.perf_counter() - start)}", err=True)
+    click.echo(f"attnmt {command}: search: {search_cfg.describe()}", err=True)
+
+
 def _binarized_split(bundle, data_bin: str, subset: str):
     """(source id lists, reference texts or None, source texts) of split ``subset`` of ``data_bin``."""
     from attnmt.data.indexed import IndexedDataset, exists
@@ -150,8 +156,7 @@ def command(data_bin, path, gen_subset, input_path, fmt, output, quiet, remove_b
     finally:
         generator.close()
     if not quiet:
-        click.echo(f"attnmt generate: {generator.stats.summary(time.perf_counter() - start)}", err=True)
-        click.echo(f"attnmt generate: search: {search_cfg.describe()}", err=True)
+        print_summary("generate", generator, search_cfg, start)
 
 
 add_options(command, [*search_option_classes(), GenerationConfig])

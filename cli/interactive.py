@@ -14,7 +14,7 @@ import time
 
 import click
 
-from attnmt.cli.generate import remove_bpe_option, search_option_classes
+from attnmt.cli.generate import print_summary, remove_bpe_option, search_option_classes
 from attnmt.config import add_options
 from attnmt.errors import UserError
 from attnmt.generation.generator import GenerationConfig
@@ -115,8 +115,7 @@ def command(data_dir, path, input_path, buffer_size, source_lang, target_lang, t
     finally:
         generator.close()
     if not quiet:
-        click.echo(f"attnmt interactive: {generator.stats.summary(time.perf_counter() - start)}", err=True)
-        click.echo(f"attnmt interactive: search: {search_cfg.describe()}", err=True)
+        print_summary("interactive", generator, search_cfg, start)
 
 
 add_options(command, [*search_option_classes(), GenerationConfig])

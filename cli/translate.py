@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import click
 
-from attnmt.cli.generate import remove_bpe_option, search_option_classes
+from attnmt.cli.generate import print_summary, remove_bpe_option, search_option_classes
 from attnmt.config import add_options
 from attnmt.errors import UserError
 from attnmt.generation.generator import GenerationConfig
@@ -120,8 +120,7 @@ def command(path, buffer_size, fmt, quiet, remove_bpe, **params):
     finally:
         generator.close()
     if not quiet:
-        click.echo(f"attnmt translate: {generator.stats.summary(time.perf_counter() - start)}", err=True)
-        click.echo(f"attnmt translate: search: {search_cfg.describe()}", err=True)
+        print_summary("translate", generator, search_cfg, start)
 
 
 add_options(command, [*search_option_classes(), GenerationConfig])

@@ -110,20 +110,37 @@ def fairseq_sinusoids(num_embeddings: int, dim: int, padding_idx: int) -> torch.
     return table.float()
 
 
+def layer_names(cfg: dict) -> list[tuple[str, str, tuple[str, ...]]]:
+    """Every layer's linear and LayerNorm modules as ``(attnmt name, fairseq name, fused parts)``: ``parts`` names
+    fairseq's separate projections whose rows attnmt's one module concatenates (empty: the same module)."""
+    rows: list[tuple[str, str, tuple[str, ...]]] = []
+
+    def self_attention_and_ffn(layer: str) -> None:  # what encoder and decoder layers share (same prefix)
+        rows.extend([(f"{layer}.self_attn.qkv_proj", f"{layer}.self_attn", ("q_proj", "k_proj", "v_proj")),
+                     (f"{layer}.self_attn.out_proj", f"{layer}.self_attn.out_proj", ()),
+                     (f"{layer}.self_attn_norm", f"{layer}.self_attn_layer_norm", ()),
+                     (f"{layer}.ffn.fc1", f"{layer}.fc1", ()),
+                     (f"{layer}.ffn.fc2", f"{layer}.fc2", ()),
+                     (f"{layer}.ffn_norm", f"{layer}.final_layer_norm", ())])
+
+    for i in range(cfg["encoder_layers"]):
+        self_attention_and_ffn(f"encoder.layers.{i}")
+    for i in range(cfg["decoder_layers"]):
+        layer = f"decoder.layers.{i}"
+        self_attention_and_ffn(layer)
+        rows.extend([(f"{layer}.cross_attn.q_proj", f"{layer}.encoder_attn.q_proj", ()),
+                     (f"{layer}.cross_attn.kv_proj", f"{layer}.encoder_attn", ("k_proj", "v_proj")),
+                     (f"{layer}.cross_attn.out_proj", f"{layer}.encoder_attn.out_proj", ()),
+                     (f"{layer}.cross_attn_norm", f"{layer}.encoder_attn_layer_norm", ())])
+    for side in ("encoder", "decoder"):
+        if cfg.get(f"{side}_normalize_before"):
+            rows.append((f"{side}.final_norm", f"{side}.layer_norm", ()))
+    return rows
+
+
 def convert_from_fairseq(options: dict, state: dict, cfg: dict, pad: int) -> dict[str, torch.Tensor]:
     """fairseq parameter names and layouts -> attnmt's."""
     out: dict[str, torch.Tensor] = {}
-
-    def take(dst: str, src: str) -> None:
-        for suffix in ("weight", "bias"):
-            if f"{src}.{suffix}" in state:
-                out[f"{dst}.{suffix}"] = state[f"{src}.{suffix}"].float()
-
-    def fuse(dst: str, src: str, names: tuple[str, ...]) -> None:
-        for suffix in ("weight", "bias"):
-            parts = [state[f"{src}.{n}.{suffix}"].float() for n in names if f"{src}.{n}.{suffix}" in state]
-            if parts:
-                out[f"{dst}.{suffix}"] = torch.cat(parts, dim=0)
 
     def positions(side: str, dim: int, count: int) -> torch.Tensor:
         learned = options.get(f"{side}_learned_pos")
@@ -141,27 +158,11 @@ def convert_from_fairseq(options: dict, state: dict, cfg: dict, pad: int) -> dic
     out["encoder.embed.positions.weight"] = positions("encoder", cfg["encoder_embed_dim"], cfg["max_source_positions"])
     out["decoder.embed.positions.weight"] = positions("decoder", cfg["decoder_embed_dim"], cfg["max_target_positions"])
 
-    def self_attention_and_ffn(layer: str) -> None:
-        fuse(f"{layer}.self_attn.qkv_proj", f"{layer}.self_attn", ("q_proj", "k_proj", "v_proj"))
-        take(f"{layer}.self_attn.out_proj", f"{layer}.self_attn.out_proj")
-        take(f"{layer}.self_attn_norm", f"{layer}.self_attn_layer_norm")
-        take(f"{layer}.ffn.fc1", f"{layer}.fc1")
-        take(f"{layer}.ffn.fc2", f"{layer}.fc2")
-        take(f"{layer}.ffn_norm", f"{layer}.final_layer_norm")
-
-    for i in range(cfg["encoder_layers"]):
-        self_attention_and_ffn(f"encoder.layers.{i}")
-    for i in range(cfg["decoder_layers"]):
-        layer = f"decoder.layers.{i}"
-        self_attention_and_ffn(layer)
-        take(f"{layer}.cross_attn.q_proj", f"{layer}.encoder_attn.q_proj")
-        fuse(f"{layer}.cross_attn.kv_proj", f"{layer}.encoder_attn", ("k_proj", "v_proj"))
-        take(f"{layer}.cross_attn.out_proj", f"{layer}.encoder_attn.out_proj")
-        take(f"{layer}.cross_attn_norm", f"{layer}.encoder_attn_layer_norm")
-    if cfg.get("encoder_normalize_before"):
-        take("encoder.final_norm", "encoder.layer_norm")
-    if cfg.get("decoder_normalize_before"):
-        take("decoder.final_norm", "decoder.layer_norm")
+    for ours, theirs, parts in layer_names(cfg):
+        for suffix in ("weight", "bias"):
+            pieces = [f"{theirs}.{n}.{suffix}" for n in parts] or [f"{theirs}.{suffix}"]
+            if all(k in state for k in pieces):
+                out[f"{ours}.{suffix}"] = torch.cat([state[k].float() for k in pieces], dim=0)
     return out
 
 
@@ -230,16 +231,6 @@ def convert_to_fairseq(ckpt: dict, pad: int) -> dict[str, torch.Tensor]:
     cfg, state = ckpt["model_config"], ckpt["model"]
     out: dict[str, torch.Tensor] = {}
 
-    def copy(dst: str, src: str) -> None:
-        for suffix in ("weight", "bias"):
-            if f"{src}.{suffix}" in state:
-                out[f"{dst}.{suffix}"] = state[f"{src}.{suffix}"].float()
-
-    def split(dst: str, src: str, names: tuple[str, ...]) -> None:
-        for suffix in ("weight", "bias"):
-            for name, part in zip(names, state[f"{src}.{suffix}"].float().chunk(len(names), dim=0)):
-                out[f"{dst}.{name}.{suffix}"] = part.contiguous()
-
     def positions(side: str, dim: int, count: int) -> torch.Tensor:
         table = state[f"{side}.embed.positions.weight"] if cfg.get("learned_pos") else sinusoid_table(count, dim)
         return torch.cat([torch.zeros(pad + 1, dim), table.float()[:count]])  # fairseq: position p at row p+pad+1
@@ -251,27 +242,15 @@ def convert_to_fairseq(ckpt: dict, pad: int) -> dict[str, torch.Tensor]:
     out["decoder.embed_positions.weight"] = positions("decoder", cfg["decoder_embed_dim"], cfg["max_target_positions"])
     out["encoder.version"] = out["decoder.version"] = torch.tensor([3.0])
 
-    def self_attention_and_ffn(layer: str) -> None:
-        split(f"{layer}.self_attn", f"{layer}.self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj"))
-        copy(f"{layer}.self_attn.out_proj", f"{layer}.self_attn.out_proj")
-        copy(f"{layer}.self_attn_layer_norm", f"{layer}.self_attn_norm")
-        copy(f"{layer}.fc1", f"{layer}.ffn.fc1")
-        copy(f"{layer}.fc2", f"{layer}.ffn.fc2")
-        copy(f"{layer}.final_layer_norm", f"{layer}.ffn_norm")
-
-    for i in range(cfg["encoder_layers"]):
-        self_attention_and_ffn(f"encoder.layers.{i}")
-    for i in range(cfg["decoder_layers"]):
-        layer = f"decoder.layers.{i}"
-        self_attention_and_ffn(layer)
-        copy(f"{layer}.encoder_attn.q_proj", f"{layer}.cross_attn.q_proj")
-        split(f"{layer}.encoder_attn", f"{layer}.cross_attn.kv_proj", ("k_proj", "v_proj"))
-        copy(f"{layer}.encoder_attn.out_proj", f"{layer}.cross_attn.out_proj")
-        copy(f"{layer}.encoder_attn_layer_norm", f"{layer}.cross_attn_norm")
-    if cfg["encoder_normalize_before"]:
-        copy("encoder.layer_norm", "encoder.final_norm")
-    if cfg["decoder_normalize_before"]:
-        copy("decoder.layer_norm", "decoder.final_norm")
+    for ours, theirs, parts in layer_names(cfg):
+        for suffix in ("weight", "bias"):
+            if f"{ours}.{suffix}" not in state:
+                continue
+            tensor = state[f"{ours}.{suffix}"].float()
+            if not parts:
+                out[f"{theirs}.{suffix}"] = tensor
+            for name, part in zip(parts, tensor.chunk(max(len(parts), 1), dim=0)):
+                out[f"{theirs}.{name}.{suffix}"] = part.contiguous()
     return out
 
 
