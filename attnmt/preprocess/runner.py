@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import signal
 from collections.abc import Callable
@@ -21,7 +22,12 @@ class Runner:
         if workers > 1:
             # fork: workers inherit the loaded modules and registered plugins, and nothing re-imports __main__
             method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-            self.pool = mp.get_context(method).Pool(workers, initializer=_worker_init)
+            # a forked worker must not run the command's SIGTERM handler (attnmt.signals): a terminate() that
+            # reached it before _worker_init ran would raise inside the worker, which then lived on and hung join().
+            # SIGTERM stays blocked while the pool forks; each worker unblocks it once its handler is the default
+            # (and the command gets a SIGTERM sent meanwhile right after).
+            with _sigterm_blocked():
+                self.pool = mp.get_context(method).Pool(workers, initializer=_worker_init)
 
     def map(self, fn: Callable, jobs: list, progress: Callable[[Any], None] | None = None) -> list:
         if self.pool is None:
@@ -45,10 +51,21 @@ class Runner:
             self.pool = None
 
 
+@contextlib.contextmanager
+def _sigterm_blocked():
+    """SIGTERM held back (in this thread, and so in the processes it forks) until the block ends."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
 def _worker_init() -> None:
     # Ctrl-C and kill reach the main process, which ends the pool; workers just die when told to
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # blocked while the pool forked (Runner)
     die_with_parent()
 
 
