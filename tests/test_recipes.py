@@ -41,8 +41,8 @@ def assert_png(path: Path) -> None:
 @pytest.mark.precision
 def test_multi30k_recipe_smoke(tmp_path):
     """The README's main job on a slice; CI runs it again as on a CPU without native bf16 (fp32 throughout)."""
-    r = run_recipe("multi30k", tmp_path, "multi30k", TRAIN_LINES="300", MAX_UPDATE="4", MAX_TIME_MINUTES="5",
-               EXTRA_TRAIN_ARGS=TINY, GEN_ARGS=SHORT, AVG="2")
+    r = run_recipe("multi30k", tmp_path, "multi30k", TRAIN_LINES="300", MAX_UPDATE="0", MAX_TIME_MINUTES="5",
+               EXTRA_TRAIN_ARGS=TINY + " --max-epoch 2", GEN_ARGS=SHORT, AVG="1 2")
     start = json.loads((tmp_path / "work" / "checkpoints" / "train.jsonl").read_text().splitlines()[0])
     from conftest import NATIVE_BF16
 
@@ -58,6 +58,13 @@ def test_multi30k_recipe_smoke(tmp_path):
     assert_png(out / "training_curves.png")
     assert_png(out / "attention_1.png")
     assert "profile " + start["precision"] in r.stderr  # the hardware's choice is printed
+    # the averaging window and the length penalty are chosen on val: every pair tried, the best one used
+    rows = [line.split("\t") for line in (out / "val_choice.tsv").read_text().splitlines()[1:]]
+    assert [(k, lp) for k, lp, _ in rows] == [("1", "0.6"), ("1", "1.0"), ("2", "0.6"), ("2", "1.0")]
+    best = max(rows, key=lambda row: float(row[2]))
+    assert f"chosen on val: average {best[0]}, lenpen {best[1]}" in r.stderr
+    val = json.loads((out / "val.bleu.json").read_text())
+    assert round(val["score"], 2) == float(best[2])
 
 
 def test_multi30k_recipe_reverse_direction(tmp_path):
@@ -75,6 +82,8 @@ def test_multi30k_recipe_reverse_direction(tmp_path):
     ({"SRC": "en", "TGT": "xx"}, "no Multi30k data for language 'xx'; SRC and TGT take: cs de en fr"),
     ({"SRC": "de", "TGT": "de"}, "SRC and TGT are both 'de'"),
     ({"PROFILE": "fast"}, "PROFILE=fast: use auto, bf16 or fp32"),
+    ({"AVG": "5 ten"}, "AVG=5 ten: give one or more positive whole numbers"),
+    ({"LENPEN": "0.6,high"}, "LENPEN=0.6 high: give one or more numbers"),
 ])
 def test_multi30k_recipe_refuses_unknown_pairs(tmp_path, env, message):
     r = subprocess.run(["bash", str(ROOT / "recipes" / "multi30k" / "run.sh")], cwd=ROOT,

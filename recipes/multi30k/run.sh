@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Multi30k (WMT16-18 multimodal task 1, text only) on a CPU, end to end, for any of its language pairs:
 #   get the data (sha256-checked) -> preprocess (joint SentencePiece BPE) -> train a Transformer for a fixed time
-#   budget (bf16 where the CPU computes it natively, fp32 otherwise) -> average the last epoch checkpoints ->
-#   beam 4 -> sacreBLEU on val and on every test set the pair has -> training curves and attention heat maps (PNG).
+#   budget (bf16 where the CPU computes it natively, fp32 otherwise) -> average the last epoch checkpoints and pick
+#   the averaging window and length penalty on val -> beam 4 -> sacreBLEU on val and on every test set the pair
+#   has -> training curves and attention heat maps (PNG). No test set takes part in any choice.
 #
 # Run from the repository root:  bash recipes/multi30k/run.sh            (English -> German)
 #                                 SRC=de TGT=en bash recipes/multi30k/run.sh
@@ -22,8 +23,9 @@
 #   MAX_TIME_MINUTES  training time budget                                [55]
 #   MAX_UPDATE        stop after this many updates as well (0: no limit)  [0]
 #   THREADS           CPU threads                                         [number of cores]
-#   AVG               how many last epoch checkpoints to average          [the profile's]
-#   LENPEN            length penalty of the beam search                   [the profile's]
+#   AVG               how many last epoch checkpoints to average; several values ("5 10"): the one with the
+#                     best val BLEU is used for the test sets             [the profile's]
+#   LENPEN            length penalty of the beam search; several values: chosen on val as AVG   [the profile's]
 #   VOCAB             joint SentencePiece vocabulary size                 [the profile's]
 #   TRAIN_LINES       use only the first N training pairs (smoke tests; 0: all)  [0]
 #   EVAL_BLEU         decode the first N valid sentences after each epoch (--eval-bleu), for the valid BLEU
@@ -68,12 +70,17 @@ esac
 # Both profiles share the model and schedule chosen on val; see docs/results.md for what each was measured against.
 ARCH=${ARCH:-transformer_small}
 VOCAB=${VOCAB:-10000}
-AVG=${AVG:-5}
-LENPEN=${LENPEN:-0.6}
+AVG=${AVG:-5 10}
+LENPEN=${LENPEN:-0.6 1.0}
+AVG=${AVG//,/ }; LENPEN=${LENPEN//,/ }
+for k in $AVG; do [[ "$k" =~ ^[1-9][0-9]*$ ]] || fail "AVG=$AVG: give one or more positive whole numbers"; done
+for lp in $LENPEN; do [[ "$lp" =~ ^-?[0-9]+(\.[0-9]+)?$ ]] || fail "LENPEN=$LENPEN: give one or more numbers"; done
+KEEP=$(printf '%s\n' $AVG | sort -n | tail -1)
 PROFILE_TRAIN_ARGS="--max-tokens 4096 --lr 1e-3 --warmup-updates 500 --warmup-init-lr 1e-7 --label-smoothing 0.1 \
 --weight-decay 0.0001"
 [ "$TRAIN_LINES" -gt 0 ] && VOCAB=${SMOKE_VOCAB:-500}
-log "profile $PROFILE (precision $PRECISION): $ARCH, vocabulary $VOCAB, $PROFILE_TRAIN_ARGS; average $AVG, lenpen $LENPEN"
+log "profile $PROFILE (precision $PRECISION): $ARCH, vocabulary $VOCAB, $PROFILE_TRAIN_ARGS; average {$AVG}, \
+lenpen {$LENPEN} (chosen on val)"
 
 # ---- the splits this pair has ----
 TESTS=()
@@ -104,19 +111,48 @@ log "3/6 train $ARCH for at most $MAX_TIME_MINUTES minutes -> $CKPT"
 # shellcheck disable=SC2086
 attnmt train "$BIN" --arch "$ARCH" --save-dir "$CKPT" --precision "$PRECISION" --threads "$THREADS" \
   $PROFILE_TRAIN_ARGS --max-time-minutes "$MAX_TIME_MINUTES" --max-update "$MAX_UPDATE" \
-  --keep-last-epochs "$AVG" --seed 1 --log-interval 50 $BLEU_ARGS $EXTRA_TRAIN_ARGS
+  --keep-last-epochs "$KEEP" --seed 1 --log-interval 50 $BLEU_ARGS $EXTRA_TRAIN_ARGS
 
-log "4/6 average the last $AVG epoch checkpoints"
+log "4/6 average the last {$AVG} epoch checkpoints; choose the window and the length penalty on val"
 N=$(find "$CKPT" -name 'checkpoint[0-9]*.pt' | wc -l)
+MODELS=()
 if [ "$N" -ge 2 ]; then
-  K=$(( N < AVG ? N : AVG ))
-  attnmt average-checkpoints --inputs "$CKPT" --num-epoch-checkpoints "$K" --output "$CKPT/averaged.pt"
-  MODEL=$CKPT/averaged.pt
+  for k in $AVG; do
+    [ "$k" -le "$N" ] || { log "only $N epoch checkpoints: averaging $k skipped"; continue; }
+    attnmt average-checkpoints --inputs "$CKPT" --num-epoch-checkpoints "$k" --output "$CKPT/averaged$k.pt"
+    MODELS+=("$k:$CKPT/averaged$k.pt")
+  done
+  [ "${#MODELS[@]}" -gt 0 ] || { attnmt average-checkpoints --inputs "$CKPT" --num-epoch-checkpoints "$N" \
+    --output "$CKPT/averaged$N.pt"; MODELS+=("$N:$CKPT/averaged$N.pt"); }
 else
-  MODEL=$CKPT/checkpoint_last.pt
+  MODELS+=("1:$CKPT/checkpoint_last.pt")
 fi
 
-log "5/6 generate (beam 4, lenpen $LENPEN) and score"
+translate() {  # MODEL SUBSET LENPEN OUTFILE
+  # shellcheck disable=SC2086
+  attnmt generate "$BIN" --path "$1" --gen-subset "$2" --beam 4 --lenpen "$3" \
+    --precision "$PRECISION" --threads "$THREADS" --quiet $GEN_ARGS > "$4"
+}
+gzip -cd "$RAW/val.$TGT.gz" > "$OUT/val.ref.$TGT"
+printf 'average\tlenpen\tval_bleu\n' > "$OUT/val_choice.tsv"
+BEST=""; BEST_BLEU=-1
+for m in "${MODELS[@]}"; do
+  k=${m%%:*}; model=${m#*:}
+  for lp in $LENPEN; do
+    translate "$model" valid "$lp" "$OUT/val.avg$k.lenpen$lp.hyp.$TGT"
+    b=$(attnmt score --ref "$OUT/val.ref.$TGT" --sys "$OUT/val.avg$k.lenpen$lp.hyp.$TGT" --json \
+      | python -c "import json, sys; print(round(json.load(sys.stdin)['score'], 2))")
+    printf '%s\t%s\t%s\n' "$k" "$lp" "$b" >> "$OUT/val_choice.tsv"
+    log "val: average $k, lenpen $lp -> BLEU $b"
+    if python -c "import sys; sys.exit(0 if $b > $BEST_BLEU else 1)"; then BEST="$k:$lp:$model"; BEST_BLEU=$b; fi
+  done
+done
+K=${BEST%%:*}; rest=${BEST#*:}; LP=${rest%%:*}; MODEL=${rest#*:}
+cp "$MODEL" "$CKPT/averaged.pt.tmp" && mv "$CKPT/averaged.pt.tmp" "$CKPT/averaged.pt"
+MODEL=$CKPT/averaged.pt
+log "chosen on val: average $K, lenpen $LP (val BLEU $BEST_BLEU) -> $MODEL"
+
+log "5/6 generate (beam 4, lenpen $LP) and score"
 SPLITS=("valid:val")
 for i in "${!TESTS[@]}"; do
   subset=test; [ "$i" -gt 0 ] && subset=test$i
@@ -124,10 +160,12 @@ for i in "${!TESTS[@]}"; do
 done
 for split in "${SPLITS[@]}"; do
   subset=${split%%:*}; name=${split#*:}
-  # shellcheck disable=SC2086
-  attnmt generate "$BIN" --path "$MODEL" --gen-subset "$subset" --beam 4 --lenpen "$LENPEN" \
-    --precision "$PRECISION" --threads "$THREADS" --quiet $GEN_ARGS > "$OUT/$name.hyp.$TGT"
-  gzip -cd "$RAW/$name.$TGT.gz" > "$OUT/$name.ref.$TGT"
+  if [ "$name" = val ]; then
+    cp "$OUT/val.avg$K.lenpen$LP.hyp.$TGT" "$OUT/val.hyp.$TGT"
+  else
+    translate "$MODEL" "$subset" "$LP" "$OUT/$name.hyp.$TGT"
+    gzip -cd "$RAW/$name.$TGT.gz" > "$OUT/$name.ref.$TGT"
+  fi
   attnmt score --ref "$OUT/$name.ref.$TGT" --sys "$OUT/$name.hyp.$TGT" | tee "$OUT/$name.bleu"
   attnmt score --ref "$OUT/$name.ref.$TGT" --sys "$OUT/$name.hyp.$TGT" --json > "$OUT/$name.bleu.json"
 done
