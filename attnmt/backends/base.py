@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -21,6 +22,45 @@ def swap_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module], kinds
     for parent, name, child in targets:
         setattr(parent, name, make(child))
     return len(targets)
+
+
+@dataclass(frozen=True)
+class DecodingKernels:
+    """How a search step runs on this device (the search calls what it is given; it checks no device).
+
+    ``row_bucket``: rows -> the row count a decoder step is padded to (None: no padding); ``blockwise_topk``: pick
+    the best extensions by a max scan over vocabulary blocks and a top-k over the few best blocks (on the CPU
+    several times faster than ``torch.topk`` over ``beam x vocabulary``) rather than one ``topk`` (the GPU's own
+    kernel); ``low_precision_scores``: a bf16 model's log-probabilities stay bf16 (computed in fp32, rounded),
+    halving the CPU's memory traffic for the step, instead of fp32.
+    """
+
+    row_bucket: Callable[[int], int] | None = None
+    blockwise_topk: bool = True
+    low_precision_scores: bool = True
+
+
+class HostStaging:
+    """Host memory that a checkpoint's tensors are copied into before a background write, kept from one save to
+    the next (the same shapes come back every time); ``pinned``: page-locked, so that copies from a GPU run
+    asynchronously at full bus speed, ``sync`` waits for them."""
+
+    def __init__(self, pinned: bool = False, sync: Callable[[], None] | None = None):
+        self.pinned = pinned
+        self.sync = sync
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        buf = self.buffers.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pinned)
+            self.buffers[key] = buf
+        return buf.copy_(t.detach(), non_blocking=self.pinned)
+
+    def done(self) -> None:
+        """Every copy has landed (the copies from a GPU are asynchronous)."""
+        if self.sync is not None:
+            self.sync()
 
 
 class Backend:
@@ -69,13 +109,29 @@ class Backend:
         """Make ``model`` (on the device, eval mode) translate fast here; returns it (cast, packed, quantized)."""
         if quantize != "none":
             raise ValueError(f"--quantize {quantize} is not available on {self.device}")
-        if self.precision == "bf16":
-            model = model.to(torch.bfloat16)  # once, instead of autocast casting at every step
+        if self.autocast_dtype is not None:
+            model = model.to(self.autocast_dtype)  # once, instead of autocast casting at every step
         return model
+
+    def length_multiple(self) -> int:
+        """Training batches' lengths are padded up to a multiple of this (1: not at all)."""
+        return 1
+
+    def host_staging(self) -> HostStaging:
+        """Where checkpoint snapshots are staged in host memory (see ``training/saver.py``)."""
+        return HostStaging()
 
     def row_bucket(self, rows: int) -> int:
         """The row count to pad a decoder step's rows to (the same here: no padding)."""
         return rows
+
+    def decoding_max_tokens(self) -> int:
+        """Source tokens per translation batch when the user gives none (``--max-tokens 0``)."""
+        return 4096
+
+    def decoding_kernels(self) -> DecodingKernels:
+        """What the search runs its steps with on this device."""
+        return DecodingKernels(row_bucket=None, blockwise_topk=False, low_precision_scores=False)
 
     def configure_process(self, mode: Mode) -> dict:
         """Process-wide runtime settings for ``mode``; called once by a command. Returns what was set."""
@@ -85,4 +141,4 @@ class Backend:
         return f"{self.device} ({self.name}), {self.precision}"
 
 
-__all__ = ["Backend", "Linear", "Mode", "swap_linears"]
+__all__ = ["Backend", "DecodingKernels", "HostStaging", "Linear", "Mode", "swap_linears"]

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from attnmt.backends import capabilities
-from attnmt.backends.base import Backend, Mode, swap_linears
+from attnmt.backends.base import Backend, DecodingKernels, Mode, swap_linears
 from attnmt.errors import UserError
 from attnmt.models.linear import Linear, set_plain_attention_max_len
 
@@ -151,6 +151,9 @@ class CpuBackend(Backend):
 
     def row_bucket(self, rows: int) -> int:
         return padded_rows(rows)
+
+    def decoding_kernels(self) -> DecodingKernels:
+        return DecodingKernels(row_bucket=padded_rows, blockwise_topk=True, low_precision_scores=True)
 
     def loss_block_elements(self) -> int | None:
         from attnmt.criterions import cpu_block_elements

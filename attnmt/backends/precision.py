@@ -6,7 +6,8 @@
 * ``bf16`` (also ``--bf16``): bf16 autocast with fp32 master weights. On a CPU without native bf16 this is a
   one-line error naming the missing capability: PyTorch would run it, but emulated bf16 products were several
   to hundreds of times slower than fp32 there, so a run that looks healthy would take days.
-* ``fp16`` (also ``--fp16``): fp16 autocast with dynamic loss scaling, CUDA training only.
+* ``fp16`` (also ``--fp16``): on a GPU only; training: fp16 autocast with dynamic loss scaling; translation: the
+  model cast to float16.
 * ``fp32``: what fairseq does without a precision flag, on every device.
 """
 
@@ -44,11 +45,9 @@ def resolve_precision(requested: str, device: torch.device, mode: str = "train")
         if requested == "bf16" and not bf16_ok:
             raise UserError("--bf16: this GPU does not compute in bfloat16 (compute capability < 8.0); use --fp16 "
                             "or --precision fp32")
-        if requested == "fp16" and mode != "train":
-            raise UserError("--fp16 is a training precision; translate with --precision auto, fp32 or bf16")
         return requested
     if requested == "fp16":
-        raise UserError(f"--fp16 needs a CUDA GPU (fp16 with loss scaling is a GPU technique); on {device.type} use "
+        raise UserError(f"--fp16 needs a CUDA GPU (float16 arithmetic is a GPU's); on {device.type} use "
                         f"--precision auto, which picks bf16 where the CPU runs it natively")
     if device.type != "cpu":
         return "fp32" if requested == "auto" else requested

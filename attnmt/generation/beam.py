@@ -11,6 +11,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from attnmt.backends.base import DecodingKernels
 from attnmt.generation.search import (
     NEG_INF,
     Finished,
@@ -25,7 +26,7 @@ from attnmt.generation.search import (
     score_upper_bound,
     start_rows,
 )
-from attnmt.models.interface import EncoderDecoderModel, RowBucket
+from attnmt.models.interface import EncoderDecoderModel
 from attnmt.registry import register
 
 
@@ -49,14 +50,14 @@ def _options(cfg: SearchConfig) -> BeamSearchConfig:
 class BeamSearch(SearchStrategy):
     """Beam search (--beam N; greedy decoding with --beam 1), GNMT length penalty, exact or fairseq-style stop."""
 
-    def __call__(self, model, src_tokens, src_lengths, sym, sample_ids=None, row_bucket=None):
+    def __call__(self, model, src_tokens, src_lengths, sym, sample_ids=None, kernels=DecodingKernels()):
         run = greedy_search if self.cfg.beam == 1 else beam_search
-        return run(model, src_tokens, src_lengths, self.cfg, sym, row_bucket=row_bucket)
+        return run(model, src_tokens, src_lengths, self.cfg, sym, kernels=kernels)
 
 
 @torch.inference_mode()
 def beam_search(model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: Tensor, cfg: SearchConfig,
-                sym: Symbols, row_bucket: RowBucket | None = None) -> list[list[Hypothesis]]:
+                sym: Symbols, kernels: DecodingKernels = DecodingKernels()) -> list[list[Hypothesis]]:
     """Beam search with the GNMT length penalty and a per-sentence, exact early stop.
 
     Each step scores all ``beam * vocab`` extensions of a sentence's live hypotheses at once and keeps the best
@@ -67,7 +68,7 @@ def beam_search(model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: Ten
     dev = src_tokens.device
     B, K = src_tokens.size(0), cfg.beam
     max_len = max_lengths(src_lengths.to(dev), cfg, max_target_positions(model))
-    enc, cache = model.encode(src_tokens, src_lengths), model.new_cache(K, row_bucket)  # encoder: once a sentence
+    enc, cache = model.encode(src_tokens, src_lengths), model.new_cache(K, kernels.row_bucket)  # encoder: once a sentence
     T = int(max_len.max()) + 2
     tokens = torch.full((B * K, T), sym.eos, dtype=torch.long, device=dev)  # column 0: the decoder's start EOS
     pos_scores = torch.zeros((B * K, T), dtype=torch.float32, device=dev)
@@ -83,7 +84,7 @@ def beam_search(model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: Ten
     top_eos = torch.zeros(A, dtype=torch.long, device=dev)  # per sentence, for beam_stop
     for step in range(T - 1):
         top_s, top_lp, beam_i, tok = next_token_extensions(model, tokens, step, enc, cache, max_len.repeat_interleave(K),
-                                                           scores.view(-1), K, cfg, sym, row_bucket)  # (A, C) each
+                                                           scores.view(-1), K, cfg, sym, kernels)  # (A, C) each
         is_eos = tok == sym.eos
         fin = is_eos & (top_s > NEG_INF)
         if beam_stop:  # fairseq's rule: only EOS extensions among the `beam` best finish a hypothesis
@@ -122,7 +123,7 @@ def beam_search(model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: Ten
 
 @torch.inference_mode()
 def greedy_search(model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: Tensor, cfg: SearchConfig,
-                  sym: Symbols, row_bucket: RowBucket | None = None) -> list[list[Hypothesis]]:
+                  sym: Symbols, kernels: DecodingKernels = DecodingKernels()) -> list[list[Hypothesis]]:
     """Beam search with beam 1, without the beam bookkeeping: the same arithmetic, so exactly the same output.
 
     As in beam search, an EOS among the two best extensions finishes a hypothesis and the best non-EOS one stays
@@ -134,7 +135,7 @@ def greedy_search(model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: T
     dev = src_tokens.device
     B = src_tokens.size(0)
     max_len = max_lengths(src_lengths.to(dev), cfg, max_target_positions(model))
-    enc, cache = start_rows(model, src_tokens, src_lengths, 1, row_bucket)
+    enc, cache = start_rows(model, src_tokens, src_lengths, 1, kernels.row_bucket)
     T = int(max_len.max()) + 2
     tokens = torch.full((B, T), sym.eos, dtype=torch.long, device=dev)
     pos_scores = torch.zeros((B, T), dtype=torch.float32, device=dev)
@@ -147,7 +148,7 @@ def greedy_search(model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: T
     for step in range(T - 1):
         # the same arithmetic as beam search with one beam
         top_s, top_lp, _, top_i = next_token_extensions(model, tokens, step, enc, cache, max_len, scores, 1, cfg, sym,
-                                                        row_bucket)
+                                                        kernels)
         is_eos = top_i == sym.eos
         fin = is_eos & (top_s > NEG_INF)
         if beam_stop:  # fairseq's rule: only the best extension can finish

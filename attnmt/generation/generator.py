@@ -31,17 +31,19 @@ from attnmt.generation.search import Hypothesis, SearchConfig, Symbols, search
 class GenerationConfig:
     """How translation runs: batching, device, numeric precision."""
 
-    max_tokens: int | None = field(default=4096, metadata={
-        "help": "Most padded source tokens per batch (the beam multiplies the work); sentences are length-sorted."})
+    max_tokens: int | None = field(default=0, metadata={
+        "help": "Most padded source tokens per batch (the beam multiplies the work); sentences are length-sorted. "
+                "0: the device's choice (4096 on the CPU, 16000 on a GPU, which needs larger batches to fill it)."})
     batch_size: int | None = field(default=None, metadata={"help": "Most sentences per batch (none: no limit).",
                                                            "aliases": ("--max-sentences",)})
     device: str = field(default="auto", metadata={"help": "auto (cuda when available), cpu, cuda or cuda:N."})
     cpu: bool = field(default=False, metadata={"help": "fairseq's spelling of --device cpu."})
-    precision: Literal["auto", "fp32", "bf16"] = field(default="fp32", metadata={
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = field(default="fp32", metadata={
         "help": "auto: bf16 where the CPU computes it natively (AMX, AVX-512 BF16), fp32 otherwise and on GPUs; "
-                "bf16: the model cast to bfloat16 (an error on a CPU without native bf16); search scores stay "
-                "float32."})
+                "bf16: the model cast to bfloat16 once (an error on a CPU without native bf16); fp16: cast to "
+                "float16 (GPU only); search scores stay float32."})
     bf16: bool = field(default=False, metadata={"help": "fairseq's spelling of --precision bf16."})
+    fp16: bool = field(default=False, metadata={"help": "fairseq's spelling of --precision fp16 (GPU only)."})
     quantize: Literal["none", "int8"] = field(default="none", metadata={
         "help": "int8: dynamic int8 quantization of the linear layers (CPU only)."})
     threads: int = field(default=0, metadata={"help": "CPU threads for torch (0: torch's default)."})
@@ -52,21 +54,21 @@ class GenerationConfig:
         "help": "Cut sources longer than the model accepts instead of refusing them."})
 
     def __post_init__(self):
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"--max-tokens must be positive, got {self.max_tokens}")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise ValueError(f"--max-tokens must be positive (or 0: the device's choice), got {self.max_tokens}")
         if self.batch_size is not None and self.batch_size < 1:
             raise ValueError(f"--batch-size must be positive, got {self.batch_size}")
         if self.threads < 0:
             raise ValueError(f"--threads must not be negative, got {self.threads}")
         if self.workers < 1:
             raise ValueError(f"--workers must be positive, got {self.workers}")
-        self.precision = requested_precision(self.precision, self.bf16)
+        self.precision = requested_precision(self.precision, self.bf16, self.fp16)
         if self.cpu:
             if self.device not in ("auto", "cpu"):
                 raise ValueError(f"--cpu and --device {self.device} disagree; give one of them")
             self.device = "cpu"
-        if self.precision == "bf16" and self.quantize != "none":
-            raise ValueError("--bf16 and --quantize int8 are alternatives; choose one")
+        if self.precision in ("bf16", "fp16") and self.quantize != "none":
+            raise ValueError(f"--{self.precision} and --quantize int8 are alternatives; choose one")
 
 
 def make_batches(lengths: Sequence[int], max_tokens: int | None, batch_size: int | None) -> list[list[int]]:
@@ -177,7 +179,7 @@ class Generator:
         sample_ids = torch.as_tensor(list(ids), dtype=torch.long, device=self.device)
         with torch.inference_mode(), self._autocast(), _gc_paused():
             return search(self.model, tokens, lengths, self.search_cfg, self.symbols, sample_ids,
-                          row_bucket=self.backend.row_bucket)
+                          kernels=self.backend.decoding_kernels())
 
     def _search_batches(self, checked: list[list[int]], batches: list[list[int]],
                         first_id: int) -> Iterator[tuple[list[int], list[list[Hypothesis]]]]:
@@ -197,7 +199,7 @@ class Generator:
             yield batches[k], hyps
         self.stats.seconds += time.perf_counter() - t0
 
-    def generate(self, sources: Sequence[Sequence[int]], max_tokens: int | None = 4096, batch_size: int | None = None,
+    def generate(self, sources: Sequence[Sequence[int]], max_tokens: int | None = 0, batch_size: int | None = None,
                  first_id: int = 0, where: str = "input",
                  progress=None) -> Iterator[tuple[int, list[Hypothesis]]]:
         """Yield ``(index, hypotheses)`` for every source, in input order, as soon as each can be released.
@@ -205,6 +207,8 @@ class Generator:
         ``first_id`` numbers the sources (it seeds sampling per sentence, so a continuing stream keeps counting);
         ``where`` names the input in error messages; ``progress(n)`` is called after each batch of ``n`` sentences.
         """
+        if max_tokens == 0:
+            max_tokens = self.backend.decoding_max_tokens()
         checked = [self._check_length(list(map(int, s)), first_id + i, where) for i, s in enumerate(sources)]
         batches = make_batches([len(s) for s in checked], max_tokens, batch_size)
         pending: dict[int, list[Hypothesis]] = {}

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from attnmt.backends.base import DecodingKernels
 from attnmt.generation.search import (
     NEG_INF,
     Finished,
@@ -21,7 +22,7 @@ from attnmt.generation.search import (
     start_rows,
     step_log_probs,
 )
-from attnmt.models.interface import EncoderDecoderModel, RowBucket
+from attnmt.models.interface import EncoderDecoderModel
 from attnmt.registry import register
 
 
@@ -52,8 +53,8 @@ def _options(cfg: SearchConfig) -> SamplingConfig:
 class Sampling(SearchStrategy):
     """--beam samples per sentence (Gumbel-max over the filtered, tempered distribution), the nbest best kept."""
 
-    def __call__(self, model, src_tokens, src_lengths, sym, sample_ids=None, row_bucket=None):
-        return sample_search(model, src_tokens, src_lengths, self.cfg, sym, sample_ids, row_bucket=row_bucket)
+    def __call__(self, model, src_tokens, src_lengths, sym, sample_ids=None, kernels=DecodingKernels()):
+        return sample_search(model, src_tokens, src_lengths, self.cfg, sym, sample_ids, kernels=kernels)
 
 
 _M32 = 0xFFFFFFFF
@@ -99,7 +100,8 @@ def _filter_logits(logits: Tensor, topk: int, topp: float) -> Tensor:
 
 @torch.inference_mode()
 def sample_search(model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: Tensor, cfg: SearchConfig, sym: Symbols,
-                  sample_ids: Tensor | None = None, row_bucket: RowBucket | None = None) -> list[list[Hypothesis]]:
+                  sample_ids: Tensor | None = None,
+                  kernels: DecodingKernels = DecodingKernels()) -> list[list[Hypothesis]]:
     """Draw ``cfg.beam`` samples per sentence (Gumbel-max over the filtered, tempered distribution).
 
     Randomness is a hash of (``--seed``, sentence id, sample number, step, token), so a sentence's samples are
@@ -110,7 +112,7 @@ def sample_search(model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: T
     B, K = src_tokens.size(0), cfg.beam
     ids = torch.arange(B, device=dev) if sample_ids is None else sample_ids.to(dev).long()
     max_len = max_lengths(src_lengths.to(dev), cfg, max_target_positions(model)).repeat_interleave(K)
-    enc, cache = start_rows(model, src_tokens, src_lengths, K, row_bucket)
+    enc, cache = start_rows(model, src_tokens, src_lengths, K, kernels.row_bucket)
     R = B * K
     opts = _options(cfg)
     keys = _sample_keys(opts.seed, ids.repeat_interleave(K), torch.arange(K, device=dev).repeat(B))

@@ -45,6 +45,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from attnmt.backends.base import DecodingKernels
 from attnmt.models.interface import EncoderDecoderModel, RowBucket
 
 NEG_INF = float("-inf")
@@ -267,8 +268,8 @@ def _block_maxima(x: Tensor, n: int, nonpositive: bool) -> Tensor:
     return (magnitude.unflatten(1, (n, -1)).amin(dim=2) | -32768).view(torch.bfloat16)
 
 
-def best_extensions(lprobs: Tensor, scores: Tensor, beam: int,
-                    nonpositive: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def best_extensions(lprobs: Tensor, scores: Tensor, beam: int, nonpositive: bool = False,
+                    blockwise: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The best ``C = min(2 * beam, beam * V)`` one-token extensions of each sentence's hypotheses, best first.
 
     ``lprobs`` (A * beam, V): next-token log-probabilities of each sentence's ``beam`` hypotheses (consecutive
@@ -283,7 +284,7 @@ def best_extensions(lprobs: Tensor, scores: Tensor, beam: int,
     (each of those holds a candidate at least as good as anything in an unselected block), so one max reduction
     over the rows, a top-C over the blocks and a top-C over the ``C * TOPK_BLOCK`` candidates they hold give the
     same values. Among equal values the indices chosen may differ from a plain top-k; a sentence's result
-    depends on its own rows only.
+    depends on its own rows only. ``blockwise=False``: one ``topk`` over the sums (what a GPU does best).
     """
     R, V = lprobs.shape
     A, c = R // beam, TOPK_BLOCK
@@ -291,7 +292,7 @@ def best_extensions(lprobs: Tensor, scores: Tensor, beam: int,
     n = V // c
     dev = lprobs.device
     first_row = (torch.arange(A, device=dev) * beam)[:, None]  # (A, 1)
-    if n <= C:  # a short vocabulary: one top-k over all extensions
+    if n <= C or not blockwise:  # one top-k over all extensions
         top_s, j = (scores.view(-1, 1) + lprobs.float()).view(A, beam * V).topk(C, dim=1)
         return top_s, lprobs.reshape(A, beam * V).gather(1, j).float(), j // V, j % V
     bound = _block_maxima(lprobs[:, : n * c], n, nonpositive).float() + scores.view(-1, 1)  # (R, n)
@@ -310,14 +311,16 @@ def best_extensions(lprobs: Tensor, scores: Tensor, beam: int,
 
 
 def next_token_extensions(model, tokens: Tensor, step: int, enc, cache, max_len: Tensor, scores: Tensor,
-                          beam: int, cfg: SearchConfig, sym: Symbols, row_bucket: RowBucket | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                          beam: int, cfg: SearchConfig, sym: Symbols,
+                          kernels: DecodingKernels = DecodingKernels()) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Decode one step and return ``best_extensions`` of every sentence under the search's rules.
 
     ``tokens`` (R, T): column ``step`` holds each row's newest token; ``max_len`` (R,): per-row limits; ``scores``
     (R,): cumulative log-probabilities; ``beam`` consecutive rows per sentence. The decoder features are
     projected to the vocabulary (``output_layer``) about ``SCORE_BLOCK_ROWS`` rows (whole sentences) at a time: 400 sentences x beam 4 would otherwise build 60 MB of logits and as much of
     log-probabilities per step, memory that is mapped afresh and zeroed by the kernel at every step; small
-    blocks are reused and stay in cache. Each sentence's numbers are the same either way.
+    blocks are reused and stay in cache. Each sentence's numbers are the same either way. ``kernels``: the
+    backend's row padding, candidate selection and score precision (``Backend.decoding_kernels``).
     """
     per = 1 if step == 0 else beam  # the first step decodes one row per sentence: its hypotheses start alike
     prev = tokens[::beam // per, step:step + 1]
@@ -327,14 +330,14 @@ def next_token_extensions(model, tokens: Tensor, step: int, enc, cache, max_len:
     for a in range(0, feats.size(0), rows):
         b = min(a + rows, feats.size(0))
         block = feats[a:b]
-        if b - a < rows and row_bucket is not None:  # the last block: the backend's row counts only
-            block = torch.cat([block, block.new_zeros(row_bucket(b - a) - (b - a), block.size(1))])
+        if b - a < rows and kernels.row_bucket is not None:  # the last block: the backend's row counts only
+            block = torch.cat([block, block.new_zeros(kernels.row_bucket(b - a) - (b - a), block.size(1))])
         lo, hi, every = a * beam // per, b * beam // per, beam // per  # the block's rows of the full arrays
         lprobs = step_log_probs(model.output_layer(block)[: b - a], step, max_len[lo:hi:every],
-                                tokens[lo:hi:every, 1:step + 1], cfg, sym, keep_bf16=True)
+                                tokens[lo:hi:every, 1:step + 1], cfg, sym, keep_bf16=kernels.low_precision_scores)
         if per != beam:
             lprobs = lprobs.repeat_interleave(beam // per, dim=0)
-        parts.append(best_extensions(lprobs, scores[lo:hi], beam, cfg.unkpen >= 0))
+        parts.append(best_extensions(lprobs, scores[lo:hi], beam, cfg.unkpen >= 0, kernels.blockwise_topk))
     if len(parts) == 1:
         return parts[0]
     return tuple(torch.cat(p) for p in zip(*parts))
@@ -406,21 +409,23 @@ class SearchStrategy(ABC):
 
     @abstractmethod
     def __call__(self, model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: Tensor, sym: Symbols,
-                 sample_ids: Tensor | None = None, row_bucket: RowBucket | None = None) -> list[list[Hypothesis]]:
+                 sample_ids: Tensor | None = None,
+                 kernels: DecodingKernels = DecodingKernels()) -> list[list[Hypothesis]]:
         """Per sentence of the right-padded batch, its ``cfg.nbest`` hypotheses, best first."""
 
 
 def search(model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: Tensor, cfg: SearchConfig, sym: Symbols,
-           sample_ids: Tensor | None = None, row_bucket: RowBucket | None = None) -> list[list[Hypothesis]]:
+           sample_ids: Tensor | None = None, kernels: DecodingKernels = DecodingKernels()) -> list[list[Hypothesis]]:
     """Translate a batch of right-padded sources with the strategy ``cfg.search``; per sentence, its ``cfg.nbest``
     hypotheses, best first.
 
     ``sample_ids`` (one id per sentence, e.g. its input line) seed ``--sampling`` per sentence, so that a sample
-    does not depend on batching; other searches ignore them. ``row_bucket``: the backend's row padding for the
-    decoder's matrix products (``Backend.row_bucket``; None: none); it never changes a result.
+    does not depend on batching; other searches ignore them. ``kernels``: how the device runs a step
+    (``Backend.decoding_kernels``: row padding, candidate selection, score precision); the row padding and the
+    candidate selection never change a result.
     """
     from attnmt.registry import get, load_builtins
 
     load_builtins()
     strategy = get("search", cfg.search).obj
-    return strategy(cfg)(model, src_tokens, src_lengths, sym, sample_ids=sample_ids, row_bucket=row_bucket)
+    return strategy(cfg)(model, src_tokens, src_lengths, sym, sample_ids=sample_ids, kernels=kernels)

@@ -95,8 +95,8 @@ class TranslationTask:
     def split_prefix(self, split: str, lang: str) -> Path:
         return self.data_bin / f"{split}.{self.src_lang}-{self.tgt_lang}.{lang}"
 
-    def dataset(self, split: str) -> LanguagePairDataset:
-        """The binarized ``split`` as (source, target) pairs."""
+    def dataset(self, split: str, pad_to_multiple: int = 1) -> LanguagePairDataset:
+        """The binarized ``split`` as (source, target) pairs; batches padded to a multiple of ``pad_to_multiple``."""
         from attnmt.data.indexed import IndexedDataset, exists
 
         prefixes = [self.split_prefix(split, lang) for lang in (self.src_lang, self.tgt_lang)]
@@ -109,7 +109,8 @@ class TranslationTask:
         if len(src) != len(tgt):
             raise UserError(f"{prefixes[1]}.idx: {len(tgt)} sentences but {prefixes[0]}.idx has {len(src)}; "
                             f"re-run attnmt preprocess")
-        return LanguagePairDataset(src, tgt, pad=self.src_dict.pad(), eos=self.src_dict.eos())
+        return LanguagePairDataset(src, tgt, pad=self.src_dict.pad(), eos=self.src_dict.eos(),
+                                   pad_to_multiple=pad_to_multiple)
 
     def valid_subsets(self) -> list[str]:
         return [s.strip() for s in self.cfg.valid_subset.split(",") if s.strip()]

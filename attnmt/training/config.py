@@ -22,6 +22,9 @@ class TrainConfig:
                 "takes"})
     required_batch_size_multiple: int = field(default=8, metadata={
         "help": "full batches hold a multiple of this many sentences (friendlier matrix shapes)"})
+    required_seq_len_multiple: int = field(default=0, metadata={
+        "help": "pad every batch's source and target length up to a multiple of N (fewer distinct shapes, "
+                "lengths aligned to the GPU's tensor-core tiles); 0: the device's choice (8 on a GPU, 1 on the CPU)"})
     update_freq: int = field(default=1, metadata={"help": "accumulate gradients over N batches per update"})
     # stopping
     max_update: int = field(default=0, metadata={"help": "stop after this many updates (0: no limit)"})
@@ -58,6 +61,10 @@ class TrainConfig:
     no_last_checkpoints: bool = field(default=False, metadata={
         "help": "do not write checkpoint_last.pt (a stopped run then cannot resume)"})
     no_save: bool = field(default=False, metadata={"help": "write no checkpoint at all"})
+    background_save: bool = field(default=True, metadata={
+        "help": "copy the state to host memory at a save and write the file in a background thread while "
+                "training goes on (still atomic; the run waits for the last write before it ends); "
+                "--no-background-save writes in the training thread"})
     keep_best_checkpoints: int = field(default=-1, metadata={
         "help": "also keep the N best checkpoints by --best-checkpoint-metric, as "
                 "checkpoint.best_METRIC_VALUE.pt (-1: off)"})
@@ -131,7 +138,8 @@ class TrainConfig:
             raise ValueError(f"--update-freq must be >= 1, got {self.update_freq}")
         if self.log_interval < 1:
             raise ValueError(f"--log-interval must be >= 1, got {self.log_interval}")
-        for name in ("max_update", "max_epoch", "save_interval_updates", "validate_interval_updates"):
+        for name in ("max_update", "max_epoch", "save_interval_updates", "validate_interval_updates",
+                     "required_seq_len_multiple"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: off), got {getattr(self, name)}")
         for name in ("max_time_minutes", "save_interval_minutes", "clip_norm"):

@@ -30,9 +30,11 @@ def chunks(it, n: int):
         yield group
 
 
-def make_train_iterator(task, cfg: TrainConfig, max_positions: tuple[int, int]) -> tuple[EpochBatchIterator, Skipped]:
-    """Filter overlong pairs, bucket by length into --max-tokens batches, shuffle per epoch, shard by rank."""
-    data = task.dataset(task.cfg.train_subset)
+def make_train_iterator(task, cfg: TrainConfig, max_positions: tuple[int, int],
+                        pad_to_multiple: int = 1) -> tuple[EpochBatchIterator, Skipped]:
+    """Filter overlong pairs, bucket by length into --max-tokens batches, shuffle per epoch, shard by rank;
+    ``pad_to_multiple``: batch lengths rounded up to a multiple of it."""
+    data = task.dataset(task.cfg.train_subset, pad_to_multiple)
     if len(data) == 0:
         raise UserError(f"{task.split_prefix(task.cfg.train_subset, task.src_lang)}: the training split is empty; "
                         f"binarize a corpus with sentences in it (attnmt preprocess --trainpref)")
@@ -51,9 +53,9 @@ def make_train_iterator(task, cfg: TrainConfig, max_positions: tuple[int, int]) 
                               rank=cfg.rank), skipped
 
 
-def make_valid_batches(task, cfg: TrainConfig, split: str, max_positions: tuple[int, int]):
+def make_valid_batches(task, cfg: TrainConfig, split: str, max_positions: tuple[int, int], pad_to_multiple: int = 1):
     """(dataset, batches, skipped) for a validation split: every pair that fits, in length order, no shuffle."""
-    data = task.dataset(split)
+    data = task.dataset(split, pad_to_multiple)
     order = data.ordered_indices(0)
     kept, skipped = filter_by_size(order, data.src_sizes, data.tgt_sizes, max_positions[0], max_positions[1],
                                    cfg.max_tokens)

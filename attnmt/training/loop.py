@@ -16,6 +16,8 @@ and the stop reason ``preempted``.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import os
 import time
@@ -38,6 +40,7 @@ from attnmt.training import decisions, distributed
 from attnmt.training.config import Setup, TrainConfig
 from attnmt.training.data import chunks, make_train_iterator, make_valid_batches, seed_everything
 from attnmt.training.metrics import Best, Meter, log_train, validate
+from attnmt.training.saver import CheckpointSaver
 from attnmt.training.state import build_state, finetune, resume
 from attnmt.training.trainer import Trainer
 
@@ -98,11 +101,12 @@ def _train(data_bin, setup: Setup, cfg: TrainConfig, extra_validators, dist_cfg:
     trainer = Trainer(model, criterion, optimizer, lr_scheduler, device=device, precision=precision,
                       clip_norm=cfg.clip_norm, world_size=cfg.world_size, ddp_model=ddp_model)
     max_positions = model.max_positions()
-    itr, skipped = make_train_iterator(task, cfg, max_positions)
+    multiple = cfg.required_seq_len_multiple or backend.length_multiple()
+    itr, skipped = make_train_iterator(task, cfg, max_positions, multiple)
     if cfg.world_size > 1:  # a rank whose update holds only padding batches still joins the gradient all-reduce
         trainer.prime_padding_batch(itr.collate(itr.batches[0]))
     valid_sets = {} if cfg.disable_validation else {
-        s: make_valid_batches(task, cfg, s, max_positions) for s in task.valid_subsets()}
+        s: make_valid_batches(task, cfg, s, max_positions, multiple) for s in task.valid_subsets()}
     if extra_validators is None:
         extra_validators = []
         if cfg.eval_bleu and not cfg.disable_validation:
@@ -117,6 +121,10 @@ def _train(data_bin, setup: Setup, cfg: TrainConfig, extra_validators, dist_cfg:
         log.info(f"removed {len(stale)} partial checkpoint file(s) of interrupted saves from {save_dir}")
     best = Best(cfg.best_checkpoint_metric, cfg.maximize_best_checkpoint_metric)
     data_state = task.data_state()
+    saver = CheckpointSaver(save_dir, backend.host_staging(), background=cfg.background_save,
+                            after_write=functools.partial(ckpts.prune, save_dir, cfg.keep_interval_updates,
+                                                          cfg.keep_last_epochs, cfg.keep_best_checkpoints,
+                                                          cfg.maximize_best_checkpoint_metric))
     try:
         last = save_dir / checkpoint.LAST
         train_time = 0.0
@@ -150,13 +158,17 @@ def _train(data_bin, setup: Setup, cfg: TrainConfig, extra_validators, dist_cfg:
                      f"batches; collectives time out after --ddp-timeout {dist_cfg.ddp_timeout:g} s")
         with distributed.Preemption() as preemption:
             summary = _run(trainer, task, setup, cfg, model_name, model_cfg, data_state, itr, valid_sets,
-                           extra_validators, best, log, save_dir, train_time, is_master, preemption)
+                           extra_validators, best, log, saver, train_time, is_master, preemption)
+        saver.close()
         summary["skipped_train"] = len(skipped)
         summary["wall_s"] = time.perf_counter() - t_start
         log.record(summary)
         _report_end(log, summary)
         return summary
     finally:
+        if saver.writing:  # leaving on an error or Ctrl-C: let the write in progress finish (its error is moot)
+            with contextlib.suppress(Exception):
+                saver.close()
         log.close()
 
 
@@ -199,7 +211,7 @@ def _report_end(log: RunLog, s: dict) -> None:
 
 
 def _run(trainer: Trainer, task, setup: Setup, cfg: TrainConfig, model_name: str, model_cfg, data_state,
-         itr: EpochBatchIterator, valid_sets: dict, extra_validators, best: Best, log: RunLog, save_dir: Path,
+         itr: EpochBatchIterator, valid_sets: dict, extra_validators, best: Best, log: RunLog, saver: CheckpointSaver,
          train_time0: float, is_master: bool, preemption: distributed.Preemption | None = None) -> dict:
     meter = Meter(trainer.device)
     run_start = time.perf_counter()
@@ -219,9 +231,7 @@ def _run(trainer: Trainer, task, setup: Setup, cfg: TrainConfig, model_name: str
             return
         state = build_state(trainer, setup, cfg, model_name, model_cfg, data_state, itr, best, train_time(),
                             rng_by_rank)
-        checkpoint.save_as(state, save_dir, names)
-        ckpts.prune(save_dir, cfg.keep_interval_updates, cfg.keep_last_epochs, cfg.keep_best_checkpoints,
-                    cfg.maximize_best_checkpoint_metric)
+        saver.save(state, names)  # copied now, written in the background (--background-save)
 
     stop = decisions.already_done(cfg, trainer.num_updates, itr.epoch, itr.end_of_epoch(), train_time0)
     if stop:
@@ -274,11 +284,13 @@ def _run(trainer: Trainer, task, setup: Setup, cfg: TrainConfig, model_name: str
                 if stop is None and distributed.any_rank([preemption is not None and preemption.requested],
                                                          trainer.device)[0]:
                     stop = "preempted"  # arrived while saving: the checkpoint just written holds this update
+            if stop is not None:
+                saver.wait()  # the last checkpoint is on disk before the run says so or exits
             if stop == "preempted":
                 why = preemption.signal_name if preemption is not None and preemption.signal_name else \
                     "a signal to another rank"
                 log.info(f"preempted by {why}: stopped after update {n} and saved "
-                         f"{save_dir / checkpoint.LAST}; run the same command again to resume")
+                         f"{saver.save_dir / checkpoint.LAST}; run the same command again to resume")
             if stop is not None:
                 break
     v = next(iter(last_valid.values())) if last_valid else {}

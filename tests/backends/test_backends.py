@@ -301,3 +301,19 @@ def test_onednn_vocabulary_projection_gives_the_same_loss_and_gradients(eps):
     assert crit.onednn_projection == capabilities.cpu().onednn_fp32
     CpuBackend(CPU, "bf16" if NATIVE_BF16 else "fp32").prepare_criterion(crit)
     assert crit.onednn_projection == (not NATIVE_BF16 and capabilities.cpu().onednn_fp32)
+
+
+def test_cuda_choices_are_made_by_the_cuda_backend_alone():
+    """Decided without a GPU: the CUDA backend turns cuDNN's per-shape attention graphs off for the process,
+    pads training lengths to multiples of 8 and stages checkpoints in pinned memory; the CPU does none of it."""
+    from attnmt.backends.cuda import CudaBackend
+
+    gpu, cpu = CudaBackend(torch.device("cuda"), "bf16"), CpuBackend(CPU)
+    assert gpu.length_multiple() == 8 and cpu.length_multiple() == 1
+    assert gpu.host_staging().pinned and not cpu.host_staging().pinned
+    code = ("import torch; from attnmt.backends.cuda import CudaBackend\n"
+            "before = torch.backends.cuda.cudnn_sdp_enabled()\n"
+            "done = CudaBackend(torch.device('cuda')).configure_process('train')\n"
+            "print(before, torch.backends.cuda.cudnn_sdp_enabled(), done)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[:2] == ["True", "False"] and "'cudnn_attention':" in out[2]

@@ -65,3 +65,68 @@ def test_bf16_training_step_on_the_gpu():
               "target": target, "ntokens": int(target.numel()), "nsentences": 3}
     log = trainer.train_step([sample])
     assert torch.isfinite(log["loss"]) and all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_beam_search_on_the_gpu_gives_the_cpus_translations():
+    """fp32 on both (TF32 off): the GPU backend's kernels (one topk, fp32 scores) find the CPU's hypotheses."""
+    from attnmt.generation.generator import collate
+    from attnmt.generation.search import SearchConfig, Symbols, search
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    sym = Symbols(pad=1, eos=2, unk=3, bos=0)
+    cfg = SearchConfig(beam=4, nbest=2, max_len_b=10)
+    g = torch.Generator().manual_seed(3)
+    sources = [torch.randint(4, 50, (n,), generator=g).tolist() + [2] for n in (3, 7, 5, 9, 4)]
+    results = {}
+    for dev in ("cpu", "cuda"):
+        model = _model(1).eval().to(dev)
+        tokens, lengths = collate(sources, 1, torch.device(dev))
+        kernels = backend_for(torch.device(dev), "fp32").decoding_kernels()
+        results[dev] = search(model, tokens, lengths, cfg, sym, kernels=kernels)
+    assert [[h.tokens for h in hs] for hs in results["cuda"]] == [[h.tokens for h in hs] for hs in results["cpu"]]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_half_precision_translation_casts_once_and_stays_close(precision):
+    from attnmt.generation.generator import collate
+    from attnmt.generation.search import SearchConfig, Symbols, search
+
+    if precision == "bf16" and not torch.cuda.is_bf16_supported():
+        pytest.skip("this GPU has no bf16")
+    dev = torch.device("cuda")
+    backend = backend_for(dev, precision)
+    model = backend.prepare_inference(_model(1).eval().to(dev))
+    assert all(p.dtype == backend.autocast_dtype for p in model.parameters())
+    sym = Symbols(pad=1, eos=2, unk=3, bos=0)
+    sources = [[5, 6, 7, 2], [9, 10, 11, 12, 13, 2]]
+    tokens, lengths = collate(sources, 1, dev)
+    hyps = search(model, tokens, lengths, SearchConfig(beam=4, max_len_b=8), sym, kernels=backend.decoding_kernels())
+    assert all(h and torch.isfinite(torch.tensor(h[0].score)) for h in hyps)
+
+
+def test_checkpoint_snapshot_of_gpu_tensors_is_pinned_and_independent(tmp_path):
+    from attnmt.training.saver import CheckpointSaver
+
+    dev = torch.device("cuda")
+    w = torch.randn(256, 256, device=dev)
+    staging = backend_for(dev, "bf16").host_staging()
+    saver = CheckpointSaver(tmp_path, staging, background=True)
+    saver.save({"w": w, "tied": w}, ["checkpoint_last.pt"])
+    expected = w.cpu()
+    w.add_(1.0)
+    saver.close()
+    assert all(b.is_pinned() for b in staging.buffers.values())
+    got = torch.load(tmp_path / "checkpoint_last.pt", weights_only=True)
+    assert torch.equal(got["w"], expected) and got["w"].data_ptr() == got["tied"].data_ptr()
+
+
+def test_training_on_the_gpu_pads_lengths_to_multiples_of_8_and_turns_cudnn_attention_off(tmp_path):
+    from helpers import TINY_MODEL, make_data_bin
+
+    from attnmt.cli import main
+
+    data = make_data_bin(tmp_path / "bin")
+    main(["train", str(data), *TINY_MODEL, "--save-dir", str(tmp_path / "c"), "--max-tokens", "256",
+          "--max-update", "4", "--progress", "none"])  # CUDA when available, as attnmt train does
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
+    assert (tmp_path / "c" / "checkpoint_last.pt").exists()

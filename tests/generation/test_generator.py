@@ -121,6 +121,52 @@ def test_batch_invariance_and_input_order(ckpt, beam):
             assert [x.score for x in h] == pytest.approx([x.score for x in alone[i]], abs=1e-5)
 
 
+@pytest.mark.parametrize("beam", [1, 4])
+def test_the_gpus_decoding_kernels_give_the_cpus_translations(ckpt, beam):
+    """One topk over beam x vocabulary in fp32 (the CUDA backend's choice) and the CPU's blockwise scan give the
+    same hypotheses and scores in fp32; so do the row padding and the default kernels of the search."""
+    from attnmt.backends.base import Backend, DecodingKernels
+    from attnmt.backends.cuda import CudaBackend
+    from attnmt.generation.generator import collate
+    from attnmt.generation.search import search
+
+    gpu = CudaBackend(torch.device("cuda")).decoding_kernels()
+    assert not gpu.blockwise_topk and not gpu.low_precision_scores and gpu.row_bucket is None
+    assert Backend(torch.device("meta")).decoding_kernels() == gpu
+    bundle, gen = _load(ckpt, beam=beam, nbest=beam, lenpen=0.6)
+    tokens, lengths = collate(bundle.encode_sources(SENTENCES), bundle.symbols.pad, torch.device("cpu"))
+    cpu = gen.backend.decoding_kernels()
+    assert cpu.blockwise_topk and cpu.row_bucket is not None
+    results = [search(bundle.model, tokens, lengths, gen.search_cfg, bundle.symbols, kernels=k)
+               for k in (cpu, gpu, DecodingKernels())]
+    for other in results[1:]:
+        assert [[x.tokens for x in h] for h in other] == [[x.tokens for x in h] for h in results[0]]
+        for h, g in zip(other, results[0]):
+            assert [x.score for x in h] == pytest.approx([x.score for x in g], abs=1e-5)
+
+
+def test_max_tokens_zero_is_the_devices_choice(ckpt):
+    from attnmt.backends.cuda import CudaBackend
+
+    assert GenerationConfig().max_tokens == 0
+    assert CudaBackend(torch.device("cuda")).decoding_max_tokens() == 16000
+    bundle, gen = _load(ckpt, beam=2)
+    assert gen.backend.decoding_max_tokens() == 4096
+    sources = bundle.encode_sources(SENTENCES)
+    assert [h[0].tokens for _, h in gen.generate(sources)] == \
+        [h[0].tokens for _, h in gen.generate(sources, max_tokens=4096)]
+    with pytest.raises(ValueError, match="--max-tokens must be positive"):
+        GenerationConfig(max_tokens=-1)
+    with pytest.raises(UserError, match="--fp16 needs a CUDA GPU"):
+        _load_precision(ckpt, "fp16")
+
+
+def _load_precision(ckpt, precision):
+    from attnmt.inference import load_generator
+
+    return load_generator(ckpt, SearchConfig(), GenerationConfig(device="cpu", precision=precision))
+
+
 def test_scores_follow_the_length_penalty_on_a_transformer(ckpt):
     bundle, gen = _load(ckpt, beam=4, nbest=4, lenpen=1.0)
     sources = bundle.encode_sources(SENTENCES[:4])
@@ -497,10 +543,10 @@ class FirstTokensConfig:
 class FirstTokens(SearchStrategy):
     """Greedy decoding of the first --first-tokens tokens only."""
 
-    def __call__(self, model, src_tokens, src_lengths, sym, sample_ids=None, row_bucket=None):
+    def __call__(self, model, src_tokens, src_lengths, sym, sample_ids=None, kernels=None):
         n = self.cfg.options.first_tokens
         cfg = dataclasses.replace(self.cfg, beam=1, max_len_a=0.0, max_len_b=n, options=None)
-        return greedy_search(model, src_tokens, src_lengths, cfg, sym, row_bucket=row_bucket)
+        return greedy_search(model, src_tokens, src_lengths, cfg, sym, kernels=kernels)
 '''
 
 

@@ -1,0 +1,129 @@
+"""Translation speed on a GPU: sentences/s, target tokens/s, peak GPU memory, BLEU and the hypothesis/reference
+length ratio, per precision (fp32, bf16, fp16) and batch size (source tokens per batch).
+
+    python benchmarks/generate_gpu.py --path runs/multi30k_en_de/checkpoints/averaged.pt \\
+        --data-bin runs/multi30k_en_de/data-bin --precisions fp32,bf16,fp16 --max-tokens 4096,16000,32000
+
+Use a trained model (its translations must stop where a real model's do: an untrained one runs every hypothesis
+to the length limit). The numbers are those of ``attnmt generate``: the model loaded and prepared by the device's
+backend (cast once to the precision), beam search with the backend's decoding kernels, batches of length-sorted
+sentences; each setting is warmed up on a few batches, then the whole set is translated ``--repeats`` times, each
+timed to the GPU's completion; the best time counts. ``--kernels cpu`` runs the search with the CPU backend's
+kernels (blockwise top-k over bf16 bit patterns, bf16 scores): what the GPU ran before its backend chose its own.
+One JSON line per setting with ``--json``. ``--device cpu`` runs it on the CPU (a smoke test of the script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def load_sources(args, bundle) -> tuple[list[list[int]], list[str]]:
+    from attnmt.data.indexed import IndexedDataset
+    from attnmt.scoring import read_lines
+
+    if args.data_bin:
+        prefix = f"{args.data_bin}/{args.gen_subset}.{bundle.source_lang}-{bundle.target_lang}"
+        src = IndexedDataset(f"{prefix}.{bundle.source_lang}")
+        tgt = IndexedDataset(f"{prefix}.{bundle.target_lang}")
+        sources = [src[i].tolist() for i in range(len(src))]
+        refs = [bundle.detokenize(bundle.tgt_dict.string(tgt[i])) for i in range(len(tgt))]
+    elif args.src and args.ref:
+        sources = bundle.encode_sources(read_lines(args.src, "source"))
+        refs = read_lines(args.ref, "reference")
+    else:
+        sys.exit("give --data-bin DIR, or --src FILE and --ref FILE")
+    if args.limit:
+        sources, refs = sources[: args.limit], refs[: args.limit]
+    return sources, refs
+
+
+def run(args, precision: str, max_tokens: int) -> dict:
+    from attnmt.backends.base import DecodingKernels
+    from attnmt.generation.beam import BeamSearchConfig
+    from attnmt.generation.generator import GenerationConfig
+    from attnmt.generation.search import SearchConfig
+    from attnmt.inference import load_generator
+    from attnmt.scoring import corpus_bleu
+
+    device = torch.device(args.device)
+    search_cfg = SearchConfig(beam=args.beam, lenpen=args.lenpen, options=BeamSearchConfig(early_stop=args.early_stop))
+    gen_cfg = GenerationConfig(max_tokens=max_tokens, device=args.device, precision=precision)
+    bundle, generator = load_generator(args.path, search_cfg, gen_cfg)
+    if args.kernels == "cpu":  # the search as the CPU backend runs it, on this device
+        cpu_kernels = DecodingKernels(row_bucket=None, blockwise_topk=True, low_precision_scores=True)
+        generator.backend.decoding_kernels = lambda: cpu_kernels
+    sources, refs = load_sources(args, bundle)
+    list(generator.generate(sources[: args.warmup], max_tokens))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    best, results = float("inf"), []
+    for _ in range(args.repeats):
+        sync(device)
+        t = time.perf_counter()
+        results = list(generator.generate(sources, max_tokens))
+        sync(device)
+        best = min(best, time.perf_counter() - t)
+    hyps = [bundle.detokenize(bundle.target_pieces(h[0].tokens)) if h else "" for _, h in results]
+    tokens = sum(len(h[0].tokens) for _, h in results if h)
+    score = corpus_bleu(hyps, refs)
+    return {"precision": precision, "max_tokens": max_tokens, "kernels": args.kernels, "device": str(device),
+            "sentences": len(sources), "sentences_per_s": len(sources) / best, "tokens_per_s": tokens / best,
+            "best_s": best, "bleu": round(score.score, 2), "length_ratio": round(score.sys_len / score.ref_len, 4),
+            "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--path", required=True, help="a trained checkpoint")
+    ap.add_argument("--data-bin", help="binarized data (attnmt preprocess) holding --gen-subset")
+    ap.add_argument("--gen-subset", default="test")
+    ap.add_argument("--src", help="raw source sentences instead of --data-bin (with --ref)")
+    ap.add_argument("--ref", help="raw references for --src")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--precisions", default="fp32,bf16,fp16")
+    ap.add_argument("--max-tokens", default="4096,16000,32000", help="source tokens per batch, comma-separated")
+    ap.add_argument("--beam", type=int, default=4)
+    ap.add_argument("--lenpen", type=float, default=0.6)
+    ap.add_argument("--early-stop", choices=("exact", "beam"), default="exact")
+    ap.add_argument("--kernels", choices=("device", "cpu"), default="device",
+                    help="device: the backend's decoding kernels; cpu: the CPU backend's, on this device")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=200, help="sentences translated first, untimed")
+    ap.add_argument("--limit", type=int, default=0, help="only the first N sentences")
+    ap.add_argument("--json", action="store_true", help="also print one JSON line per setting")
+    args = ap.parse_args(argv)
+
+    from attnmt.backends import configure_process
+
+    configure_process("generate", args.device)
+    name = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "CPU"
+    print(f"{name}, torch {torch.__version__}; beam {args.beam}, lenpen {args.lenpen}, early stop {args.early_stop}, "
+          f"{args.kernels} kernels", file=sys.stderr)
+    print(f"{'precision':<10} {'max tokens':>10} {'sent/s':>9} {'tgt tok/s':>10} {'GiB':>6} {'BLEU':>6} {'len ratio':>9}",
+          flush=True)
+    rows = []
+    for precision in [p.strip() for p in args.precisions.split(",") if p.strip()]:
+        for max_tokens in [int(m) for m in args.max_tokens.split(",") if m.strip()]:
+            r = run(args, precision, max_tokens)
+            rows.append(r)
+            mem = f"{r['peak_mem_gib']:.2f}" if r["peak_mem_gib"] is not None else "-"
+            print(f"{precision:<10} {max_tokens:>10} {r['sentences_per_s']:>9.1f} {r['tokens_per_s']:>10,.0f} "
+                  f"{mem:>6} {r['bleu']:>6.2f} {r['length_ratio']:>9.3f}", flush=True)
+    if args.json:
+        for r in rows:
+            print(json.dumps(r), flush=True)
+
+
+if __name__ == "__main__":
+    main()
