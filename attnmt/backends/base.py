@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import nn
 
+from attnmt.models.interface import DecodingKernels
 from attnmt.models.linear import Linear
 
 Mode = Literal["train", "generate"]
@@ -22,22 +22,6 @@ def swap_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module], kinds
     for parent, name, child in targets:
         setattr(parent, name, make(child))
     return len(targets)
-
-
-@dataclass(frozen=True)
-class DecodingKernels:
-    """How a search step runs on this device (the search calls what it is given; it checks no device).
-
-    ``row_bucket``: rows -> the row count a decoder step is padded to (None: no padding); ``blockwise_topk``: pick
-    the best extensions by a max scan over vocabulary blocks and a top-k over the few best blocks (on the CPU
-    several times faster than ``torch.topk`` over ``beam x vocabulary``) rather than one ``topk`` (the GPU's own
-    kernel); ``low_precision_scores``: a bf16 model's log-probabilities stay bf16 (computed in fp32, rounded),
-    halving the CPU's memory traffic for the step, instead of fp32.
-    """
-
-    row_bucket: Callable[[int], int] | None = None
-    blockwise_topk: bool = True
-    low_precision_scores: bool = True
 
 
 class HostStaging:
@@ -131,7 +115,7 @@ class Backend:
 
     def decoding_kernels(self) -> DecodingKernels:
         """What the search runs its steps with on this device."""
-        return DecodingKernels(row_bucket=None, blockwise_topk=False, low_precision_scores=False)
+        return DecodingKernels(row_bucket=None, fused_attention=False, blockwise_topk=False, low_precision_scores=False)
 
     def configure_process(self, mode: Mode) -> dict:
         """Process-wide runtime settings for ``mode``; called once by a command. Returns what was set."""

@@ -12,8 +12,8 @@ What it decides, once per run:
   ``--required-seq-len-multiple``, which overrides it): matrix shapes that fill the tensor cores' tiles, and
   a bounded set of shapes for every kernel that specialises on them.
 * **Translation.** The model is cast once to the run's precision (bf16/fp16, no autocast per step); the search
-  scores in fp32 and picks the best extensions with one ``topk`` over ``beam x vocabulary`` (the GPU's own
-  kernel), not with the CPU's blockwise scan over bf16 bit patterns (:meth:`decoding_kernels`); batches default to
+  scores in fp32, attends over the decoder cache with one fused kernel (``scaled_dot_product_attention``)
+  and picks the best extensions with one ``topk`` over ``beam x vocabulary`` (the GPU's own kernel), not with the CPU's blockwise scan over bf16 bit patterns (:meth:`decoding_kernels`); batches default to
   16,000 source tokens (:meth:`decoding_max_tokens`).
 * **Checkpoint snapshots** go to page-locked host buffers, reused from save to save, so that copying 2.4 GB of
   transformer_big state off the GPU takes a fraction of a second (:meth:`host_staging`).
@@ -26,6 +26,7 @@ from torch import nn
 
 from attnmt.backends.base import Backend, HostStaging, Mode
 from attnmt.errors import UserError
+from attnmt.models.interface import DecodingKernels
 from attnmt.models.linear import set_plain_attention_max_len
 
 
@@ -44,6 +45,9 @@ class CudaBackend(Backend):
     def configure_process(self, mode: Mode) -> dict:
         torch.backends.cuda.enable_cudnn_sdp(False)
         return {"cudnn_attention": False}
+
+    def decoding_kernels(self) -> DecodingKernels:
+        return DecodingKernels(row_bucket=None, fused_attention=True, blockwise_topk=False, low_precision_scores=False)
 
     def decoding_max_tokens(self) -> int:
         # a beam step is bound by launch overhead until the batch has thousands of rows: larger batches fill the

@@ -11,7 +11,6 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from attnmt.backends.base import DecodingKernels
 from attnmt.generation.search import (
     NEG_INF,
     Finished,
@@ -26,7 +25,7 @@ from attnmt.generation.search import (
     score_upper_bound,
     start_rows,
 )
-from attnmt.models.interface import EncoderDecoderModel
+from attnmt.models.interface import DecodingKernels, EncoderDecoderModel
 from attnmt.registry import register
 
 
@@ -68,7 +67,7 @@ def beam_search(model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: Ten
     dev = src_tokens.device
     B, K = src_tokens.size(0), cfg.beam
     max_len = max_lengths(src_lengths.to(dev), cfg, max_target_positions(model))
-    enc, cache = model.encode(src_tokens, src_lengths), model.new_cache(K, kernels.row_bucket)  # encoder: once a sentence
+    enc, cache = model.encode(src_tokens, src_lengths), model.new_cache(K, kernels)  # encoder: once a sentence
     T = int(max_len.max()) + 2
     tokens = torch.full((B * K, T), sym.eos, dtype=torch.long, device=dev)  # column 0: the decoder's start EOS
     pos_scores = torch.zeros((B * K, T), dtype=torch.float32, device=dev)
@@ -135,7 +134,7 @@ def greedy_search(model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: T
     dev = src_tokens.device
     B = src_tokens.size(0)
     max_len = max_lengths(src_lengths.to(dev), cfg, max_target_positions(model))
-    enc, cache = start_rows(model, src_tokens, src_lengths, 1, kernels.row_bucket)
+    enc, cache = start_rows(model, src_tokens, src_lengths, 1, kernels)
     T = int(max_len.max()) + 2
     tokens = torch.full((B, T), sym.eos, dtype=torch.long, device=dev)
     pos_scores = torch.zeros((B, T), dtype=torch.float32, device=dev)

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from attnmt.backends.base import DecodingKernels
 from attnmt.generation.search import (
     NEG_INF,
     Finished,
@@ -22,7 +21,7 @@ from attnmt.generation.search import (
     start_rows,
     step_log_probs,
 )
-from attnmt.models.interface import EncoderDecoderModel
+from attnmt.models.interface import DecodingKernels, EncoderDecoderModel
 from attnmt.registry import register
 
 
@@ -112,7 +111,7 @@ def sample_search(model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: T
     B, K = src_tokens.size(0), cfg.beam
     ids = torch.arange(B, device=dev) if sample_ids is None else sample_ids.to(dev).long()
     max_len = max_lengths(src_lengths.to(dev), cfg, max_target_positions(model)).repeat_interleave(K)
-    enc, cache = start_rows(model, src_tokens, src_lengths, K, kernels.row_bucket)
+    enc, cache = start_rows(model, src_tokens, src_lengths, K, kernels)
     R = B * K
     opts = _options(cfg)
     keys = _sample_keys(opts.seed, ids.repeat_interleave(K), torch.arange(K, device=dev).repeat(B))

@@ -45,8 +45,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from attnmt.backends.base import DecodingKernels
-from attnmt.models.interface import EncoderDecoderModel, RowBucket
+from attnmt.models.interface import DecodingKernels, EncoderDecoderModel
 
 NEG_INF = float("-inf")
 
@@ -390,10 +389,10 @@ def max_target_positions(model: EncoderDecoderModel) -> int:
     return int(model.max_positions()[1])
 
 
-def start_rows(model, src_tokens: Tensor, src_lengths: Tensor, copies: int, row_bucket: RowBucket | None):
+def start_rows(model, src_tokens: Tensor, src_lengths: Tensor, copies: int, kernels: DecodingKernels):
     """Encode once; give every sentence ``copies`` independent rows (samples) of encoder output and cache."""
     enc = model.encode(src_tokens, src_lengths)
-    cache = model.new_cache(1, row_bucket)
+    cache = model.new_cache(1, kernels)
     if copies > 1:
         order = torch.arange(src_tokens.size(0), device=src_tokens.device).repeat_interleave(copies)
         enc, cache = model.reorder(enc, cache, order)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnmt.models.interface import EncoderDecoderModel, RowBucket
+from attnmt.models.interface import DecodingKernels, EncoderDecoderModel
 
 
 @dataclass
@@ -72,8 +72,8 @@ class Ensemble(EncoderDecoderModel):
     def decode(self, prev_output_tokens: Tensor, enc: list, cache: EnsembleCache | None = None) -> Tensor:
         return self.output_layer(self.decode_features(prev_output_tokens, enc, cache))
 
-    def new_cache(self, beam: int = 1, row_bucket: RowBucket | None = None) -> EnsembleCache:
-        return EnsembleCache([m.new_cache(beam, row_bucket) for m in self.members])
+    def new_cache(self, beam: int = 1, kernels: DecodingKernels = DecodingKernels()) -> EnsembleCache:
+        return EnsembleCache([m.new_cache(beam, kernels) for m in self.members])
 
     def reorder(self, enc: list, cache: EnsembleCache | None, new_order: Tensor,
                 sentences: Tensor | None = None) -> tuple[list, EnsembleCache | None]:

@@ -61,6 +61,12 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:
     return torch.matmul(torch.softmax(s, dim=-1), v)
 
 
+def _attend_fused(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """The same attention in one fused kernel (``scaled_dot_product_attention``; ``mask``: True = attend): what a
+    GPU runs best, where the three separate products each cost a launch and a round trip through memory."""
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 def _bias(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     """A boolean attention mask (True = attend) as an additive one: 0 where allowed, -inf elsewhere."""
     if mask is None:
@@ -159,10 +165,12 @@ class SlotCache(DecoderCache):
     encoder output (see the module docstring); ``beam`` 1 means one row per sentence.
     """
 
-    def __init__(self, num_layers: int, beam: int = 1, row_bucket: RowBucket | None = None):
+    def __init__(self, num_layers: int, beam: int = 1, row_bucket: RowBucket | None = None,
+                 fused_attention: bool = False):
         if beam < 1:
             raise ValueError(f"beam must be at least 1, got {beam}")
         self.row_bucket = row_bucket  # rows -> the row count a decoder call is padded to (None: no padding)
+        self.fused_attention = fused_attention  # scaled_dot_product_attention instead of the plain products
         self.layers: list[LayerCache] = [SlotLayerCache(self) for _ in range(num_layers)]
         self.length = 0
         self.beam = beam
@@ -264,10 +272,14 @@ class SlotCache(DecoderCache):
         qs = q.view(A, K, H, T, Dh).transpose(1, 2).reshape(A, H, K * T, Dh)
         if self.live is not None:
             qs = q.new_zeros((self.buffered, H, K * T, Dh)).index_copy_(0, self.live, qs)
-        key = (which, q.dtype)
-        if key not in self._biases:
-            self._biases[key] = _bias(self.self_mask if which == "self" else self.memory_mask, q.dtype)
-        out = _attend(qs, k, v, self._biases[key])  # (N, H, beam * T, Dh)
+        mask = self.self_mask if which == "self" else self.memory_mask
+        if self.fused_attention:
+            out = _attend_fused(qs, k, v, mask)  # (N, H, beam * T, Dh)
+        else:
+            key = (which, q.dtype)
+            if key not in self._biases:
+                self._biases[key] = _bias(mask, q.dtype)
+            out = _attend(qs, k, v, self._biases[key])
         if self.live is not None:
             out = out.index_select(0, self.live)
         return out.view(A, H, K, T, Dh).permute(0, 2, 3, 1, 4).reshape(R, T, H * Dh)

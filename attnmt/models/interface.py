@@ -13,12 +13,33 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 RowBucket = Callable[[int], int]  # rows -> the row count a decoder call is padded to (the backend's choice)
+
+
+@dataclass(frozen=True)
+class DecodingKernels:
+    """How a search step runs on a device: the backend's choice (``Backend.decoding_kernels``); the cache and the
+    search call what they are given and check no device.
+
+    ``row_bucket``: rows -> the row count a decoder step is padded to (None: no padding); ``fused_attention``: the
+    cache attends with ``scaled_dot_product_attention`` (one fused kernel) instead of matmul-softmax-matmul;
+    ``blockwise_topk``: pick the best extensions by a max scan over vocabulary blocks and a top-k over the few
+    best blocks (on the CPU several times faster than ``torch.topk`` over ``beam x vocabulary``) rather than one
+    ``topk`` (the GPU's own kernel); ``low_precision_scores``: a bf16 model's log-probabilities stay bf16
+    (computed in fp32, rounded), halving the CPU's memory traffic for the step, instead of fp32. Row padding,
+    the attention form and the candidate selection never change a result beyond rounding.
+    """
+
+    row_bucket: RowBucket | None = None
+    fused_attention: bool = False
+    blockwise_topk: bool = True
+    low_precision_scores: bool = True
 
 
 class LayerCache(ABC):
@@ -103,9 +124,10 @@ class EncoderDecoderModel(nn.Module, ABC):
         """Logits (..., V) of decoder features (..., D)."""
 
     @abstractmethod
-    def new_cache(self, beam: int = 1, row_bucket: RowBucket | None = None) -> DecoderCache:
+    def new_cache(self, beam: int = 1, kernels: DecodingKernels = DecodingKernels()) -> DecoderCache:
         """An empty cache; ``decode`` then takes ``beam`` consecutive rows per sentence of ``enc``, except on the
-        first call, which may take one row per sentence (all hypotheses start alike; its keys/values serve all)."""
+        first call, which may take one row per sentence (all hypotheses start alike; its keys/values serve all).
+        ``kernels``: the backend's row padding and attention form."""
 
     @abstractmethod
     def reorder(self, enc: Any, cache: DecoderCache | None, new_order: Tensor,

@@ -36,7 +36,7 @@ from attnmt.errors import UserError
 from attnmt.models.dropout import Dropout
 from attnmt.models.dropout import dropout as dropout_weights
 from attnmt.models.incremental import SlotCache
-from attnmt.models.interface import DecoderCache, EncoderDecoderModel, LayerCache, RowBucket
+from attnmt.models.interface import DecoderCache, DecodingKernels, EncoderDecoderModel, LayerCache
 from attnmt.models.linear import AttentionKernel, Linear
 from attnmt.registry import register, register_arch
 
@@ -716,14 +716,14 @@ class TransformerModel(EncoderDecoderModel):
             self.train(was_training)
         return weights
 
-    def new_cache(self, beam: int = 1, row_bucket: RowBucket | None = None) -> DecoderCache:
-        """An empty cache for ``decode``; ``beam``: decoder rows per sentence of the encoder output; ``row_bucket``:
-        the row count each decoder call is padded to (the backend's, e.g. few shapes for oneDNN; None: none).
+    def new_cache(self, beam: int = 1, kernels: DecodingKernels = DecodingKernels()) -> DecoderCache:
+        """An empty cache for ``decode``; ``beam``: decoder rows per sentence of the encoder output; ``kernels``:
+        the backend's row padding (e.g. few shapes for oneDNN) and attention form (fused on a GPU).
 
         With ``beam`` > 1, ``decode`` takes ``beam`` consecutive rows per sentence of ``enc`` (hypotheses of one
         sentence), which share that sentence's encoder output and encoder-decoder keys/values.
         """
-        return SlotCache(len(self.decoder.layers), beam, row_bucket)
+        return SlotCache(len(self.decoder.layers), beam, kernels.row_bucket, kernels.fused_attention)
 
     @staticmethod
     def reorder(enc: EncoderOut, cache: DecoderCache | None, new_order: Tensor,

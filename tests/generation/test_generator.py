@@ -123,16 +123,18 @@ def test_batch_invariance_and_input_order(ckpt, beam):
 
 @pytest.mark.parametrize("beam", [1, 4])
 def test_the_gpus_decoding_kernels_give_the_cpus_translations(ckpt, beam):
-    """One topk over beam x vocabulary in fp32 (the CUDA backend's choice) and the CPU's blockwise scan give the
-    same hypotheses and scores in fp32; so do the row padding and the default kernels of the search."""
+    """One topk over beam x vocabulary in fp32 and the fused attention over the cache (the CUDA backend's choices)
+    give the CPU's hypotheses and scores in fp32; so do the row padding and the default kernels of the search."""
+    import dataclasses
+
     from attnmt.backends.base import Backend, DecodingKernels
     from attnmt.backends.cuda import CudaBackend
     from attnmt.generation.generator import collate
     from attnmt.generation.search import search
 
     gpu = CudaBackend(torch.device("cuda")).decoding_kernels()
-    assert not gpu.blockwise_topk and not gpu.low_precision_scores and gpu.row_bucket is None
-    assert Backend(torch.device("meta")).decoding_kernels() == gpu
+    assert not gpu.blockwise_topk and not gpu.low_precision_scores and gpu.row_bucket is None and gpu.fused_attention
+    assert Backend(torch.device("meta")).decoding_kernels() == dataclasses.replace(gpu, fused_attention=False)
     bundle, gen = _load(ckpt, beam=beam, nbest=beam, lenpen=0.6)
     tokens, lengths = collate(bundle.encode_sources(SENTENCES), bundle.symbols.pad, torch.device("cpu"))
     cpu = gen.backend.decoding_kernels()

@@ -38,7 +38,7 @@ class TableModel:
         key = ((src_tokens * (pos + 7)) * real).sum(1) % self.rows
         return {"key": key}
 
-    def new_cache(self, beam=1, row_bucket=None):
+    def new_cache(self, beam=1, kernels=None):
         return {"h": None, "beam": beam}
 
     def decode(self, prev_output_tokens, enc, cache=None):
