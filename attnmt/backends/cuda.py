@@ -13,8 +13,9 @@ What it decides, once per run:
   a bounded set of shapes for every kernel that specialises on them.
 * **Translation.** The model is cast once to the run's precision (bf16/fp16, no autocast per step); the search
   scores in fp32, attends over the decoder cache with one fused kernel (``scaled_dot_product_attention``)
-  and picks the best extensions with one ``topk`` over ``beam x vocabulary`` (the GPU's own kernel), not with the CPU's blockwise scan over bf16 bit patterns (:meth:`decoding_kernels`); batches default to
-  16,000 source tokens (:meth:`decoding_max_tokens`).
+  and picks the best extensions with one ``topk`` over ``beam x vocabulary`` (the GPU's own kernel), not with
+  the CPU's blockwise scan over bf16 bit patterns (:meth:`decoding_kernels`); batches default to 16,000 source
+  tokens (:meth:`decoding_max_tokens`).
 * **Checkpoint snapshots** go to page-locked host buffers, reused from save to save, so that copying 2.4 GB of
   transformer_big state off the GPU takes a fraction of a second (:meth:`host_staging`).
 """
