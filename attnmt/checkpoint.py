@@ -152,12 +152,17 @@ class DataSection:
 # ------------------------------------------------------------------------------------------------ weights
 
 
+def same_tensor(t: torch.Tensor) -> tuple:
+    """A key equal for two tensors exactly when they are the same data in the same layout (tied weights)."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+
+
 def portable_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A model state dict as float32 CPU tensors, entries that share a tensor still sharing one (stored once)."""
     done: dict[tuple, torch.Tensor] = {}
     out = {}
     for k, v in state.items():
-        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), tuple(v.stride()), v.device)
+        key = same_tensor(v)
         if key not in done:
             v = v.detach()
             done[key] = v.float().cpu() if v.is_floating_point() else v.cpu()
@@ -170,8 +175,7 @@ def tie_like(weights: dict[str, torch.Tensor], like: dict[str, torch.Tensor]) ->
     first: dict[tuple, str] = {}
     out = {}
     for k, v in weights.items():
-        ref = like[k]
-        key = (ref.untyped_storage().data_ptr(), ref.storage_offset(), tuple(ref.shape), tuple(ref.stride()))
+        key = same_tensor(like[k])
         out[k] = out[first[key]] if key in first else v
         first.setdefault(key, k)
     return out

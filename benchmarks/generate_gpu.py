@@ -19,33 +19,17 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from generate_speed import load_data  # noqa: E402  (the same sentences and references as the CPU benchmark)
 
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def load_sources(args, bundle) -> tuple[list[list[int]], list[str]]:
-    from attnmt.data.indexed import IndexedDataset
-    from attnmt.scoring import read_lines
-
-    if args.data_bin:
-        prefix = f"{args.data_bin}/{args.gen_subset}.{bundle.source_lang}-{bundle.target_lang}"
-        src = IndexedDataset(f"{prefix}.{bundle.source_lang}")
-        tgt = IndexedDataset(f"{prefix}.{bundle.target_lang}")
-        sources = [src[i].tolist() for i in range(len(src))]
-        refs = [bundle.detokenize(bundle.tgt_dict.string(tgt[i])) for i in range(len(tgt))]
-    elif args.src and args.ref:
-        sources = bundle.encode_sources(read_lines(args.src, "source"))
-        refs = read_lines(args.ref, "reference")
-    else:
-        sys.exit("give --data-bin DIR, or --src FILE and --ref FILE")
-    if args.limit:
-        sources, refs = sources[: args.limit], refs[: args.limit]
-    return sources, refs
 
 
 def run(args, precision: str, max_tokens: int) -> dict:
@@ -63,7 +47,9 @@ def run(args, precision: str, max_tokens: int) -> dict:
     if args.kernels == "cpu":  # the search as the CPU backend runs it, on this device
         cpu_kernels = DecodingKernels(row_bucket=None, blockwise_topk=True, low_precision_scores=True)
         generator.backend.decoding_kernels = lambda: cpu_kernels
-    sources, refs = load_sources(args, bundle)
+    sources, refs = load_data(args, bundle)
+    if refs is None:
+        sys.exit("give --ref with --src (BLEU and the length ratio need references)")
     list(generator.generate(sources[: args.warmup], max_tokens))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

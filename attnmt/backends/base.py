@@ -105,10 +105,6 @@ class Backend:
         """Where checkpoint snapshots are staged in host memory (see ``training/saver.py``)."""
         return HostStaging()
 
-    def row_bucket(self, rows: int) -> int:
-        """The row count to pad a decoder step's rows to (the same here: no padding)."""
-        return rows
-
     def decoding_max_tokens(self) -> int:
         """Source tokens per translation batch when the user gives none (``--max-tokens 0``)."""
         return 4096

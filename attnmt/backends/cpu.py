@@ -13,7 +13,7 @@ What it decides, once per run (see ``capabilities.py`` for how the CPU is detect
   fused "flash" kernel, whose advantage starts at several hundred tokens (benchmarks/kernel_choices.py; figures per CPU in docs/results.md): "auto" runs the plain form up
   to :data:`PLAIN_ATTENTION_MAX_LEN` tokens.
 * **Decoder row counts.** oneDNN compiles a kernel, and keeps it with its buffers, for every matrix shape it
-  meets; as sentences leave a batch the decoder's row count changes almost every step. :meth:`row_bucket`
+  meets; as sentences leave a batch the decoder's row count changes almost every step. :meth:`decoding_kernels`
   pads them to a few sizes (:func:`padded_rows`).
 * **Process settings** (:meth:`configure_process`, called by the commands):
 
@@ -148,9 +148,6 @@ class CpuBackend(Backend):
         elif self.caps.onednn_fp32:
             swap_linears(model, PackedLinear, (Linear, nn.Linear))
         return model
-
-    def row_bucket(self, rows: int) -> int:
-        return padded_rows(rows)
 
     def decoding_kernels(self) -> DecodingKernels:
         return DecodingKernels(row_bucket=padded_rows, blockwise_topk=True, low_precision_scores=True)

@@ -239,8 +239,8 @@ def test_int8_inference_quantizes_every_linear_and_stays_close():
 def test_row_buckets_are_the_cpus_only():
     assert [padded_rows(n) for n in (1, 8, 9, 100, 129)] == [8, 8, 16, 104, 144]
     assert all(padded_rows(n) >= n and padded_rows(n) - n <= max(7, n // 8) for n in range(1, 3000))
-    assert CpuBackend(CPU).row_bucket(9) == 16
-    assert Backend(torch.device("meta")).row_bucket(9) == 9 and type(backend_for("meta")) is Backend
+    assert CpuBackend(CPU).decoding_kernels().row_bucket(9) == 16
+    assert Backend(torch.device("meta")).decoding_kernels().row_bucket is None and type(backend_for("meta")) is Backend
 
 
 def test_process_settings_apply_once_and_respect_the_user():
