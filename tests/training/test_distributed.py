@@ -42,9 +42,10 @@ def _env() -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1")
 
 
-def _torchrun(*args) -> list[str]:
+def _torchrun(*args, monitor_interval: float | None = None) -> list[str]:
     """The stock launcher, as a user runs it: torchrun --standalone --nproc-per-node 2 -m attnmt.cli train ..."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    monitor = [] if monitor_interval is None else ["--monitor-interval", str(monitor_interval)]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *monitor,
             "-m", "attnmt.cli", "train", *map(str, args)]
 
 
@@ -413,11 +414,14 @@ def test_sigterm_saves_a_checkpoint_and_the_relaunch_ends_where_an_uninterrupted
 
 
 def _start_long_run(tmp_path: Path, timeout_s: float) -> tuple[subprocess.Popen, Path, dict[int, int]]:
+    """A long two-rank torchrun job. Its launcher looks at its workers every 5 s instead of every 0.1 s, as the
+    launcher of a peer on another host would: otherwise it may see the dead worker and SIGTERM rank 0 before rank 0
+    sees the closed connection itself, and the test would measure the launcher rather than rank 0."""
     data = make_data_bin(tmp_path / "bin", n_train=120)
     save = tmp_path / "ck"
     proc = subprocess.Popen(_torchrun(data, *BASE, "--max-tokens", "32", "--max-update", "100000",
                                       "--log-interval", "1", "--disable-validation", "--ddp-timeout", timeout_s,
-                                      "--save-dir", save),
+                                      "--save-dir", save, monitor_interval=5),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env())
     _wait_for_update(save, 2, proc)
     workers = _workers(proc.pid)
