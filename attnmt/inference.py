@@ -169,7 +169,8 @@ def load_generator(path: str | os.PathLike, search_cfg, gen_cfg):
 
     Sets the CPU thread count, picks the device and the precision, lets the device's backend prepare the model
     (bf16 cast and packed weights, or ``--quantize int8``, which runs on the CPU: with ``--device auto`` that is
-    where the model then stays) and starts the ``--workers`` decoding processes, which share the ``--threads``;
+    where the model then stays; its activations in the precision asked for, bf16 under ``auto`` on a CPU with
+    native bf16) and starts the ``--workers`` decoding processes, which share the ``--threads``;
     ``generator.close()`` stops them. Process-wide settings are the caller's (``attnmt.backends.configure_process``
     in the commands).
     """
@@ -182,7 +183,7 @@ def load_generator(path: str | os.PathLike, search_cfg, gen_cfg):
         if gen_cfg.device not in ("auto", "cpu"):
             raise UserError(f"--quantize int8 runs on the CPU only; drop --device {gen_cfg.device} or --quantize")
         device = torch.device("cpu")
-        precision = "fp32"  # int8 weights, fp32 activations
+        precision = resolve_precision(gen_cfg.precision, device, mode="generate")  # of the activations
     else:
         device = resolve_device(gen_cfg.device)
         precision = resolve_precision(gen_cfg.precision, device, mode="generate")

@@ -55,7 +55,7 @@ HERE = Path(__file__).resolve().parent
 EXPORT = ("import sys; sys.path.insert(0, sys.argv[1]); from attnmt import checkpoint; "
           "from attnmt.interop.{module} import {function}; {function}(checkpoint.load(checkpoint.resolve(sys.argv[2])), "
           "sys.argv[3])")
-MODES = ("fp32", "bf16", "int8")
+MODES = ("fp32", "bf16", "int8", "int8-fp32")  # int8: activations as --precision auto picks them; int8-fp32: fp32
 CT2_TYPES = {"int8": "int8", "fp32": "float32", "float32": "float32", "bf16": "bfloat16", "int8_bf16": "int8_bfloat16"}
 
 
@@ -66,7 +66,10 @@ def parse_args(argv=None):
     p.add_argument("--gen-subset", default="test", help="split of --data-bin")
     p.add_argument("--src", help="raw source file (one sentence per line, .gz allowed) instead of --data-bin")
     p.add_argument("--ref", help="raw reference file; default with --data-bin: the detokenized binarized target")
-    p.add_argument("--modes", default=",".join(MODES), help="attnmt modes, a comma-separated subset of fp32,bf16,int8")
+    p.add_argument("--modes", default="fp32,bf16,int8",
+                   help="attnmt modes, a comma-separated subset of fp32,bf16,int8,int8-fp32 (int8: int8 linear "
+                   "layers with the activations in the precision --precision auto picks, bf16 on a CPU with native "
+                   "bf16; int8-fp32: with fp32 activations on any CPU)")
     p.add_argument("--beam", type=int, default=4)
     p.add_argument("--lenpen", type=float, default=0.6)
     p.add_argument("--max-len-a", type=float, default=1.0)
@@ -166,8 +169,9 @@ def worker(args) -> dict:
     mode = args.worker
     search_cfg = SearchConfig(beam=args.beam, lenpen=args.lenpen, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
                               options=BeamSearchConfig(early_stop=args.worker_early_stop))
-    gen_cfg = GenerationConfig(max_tokens=args.max_tokens, device="cpu", bf16=mode == "bf16",
-                               quantize="int8" if mode == "int8" else "none", threads=args.threads,
+    precision = {"fp32": "fp32", "bf16": "bf16", "int8": "auto", "int8-fp32": "fp32"}[mode]
+    gen_cfg = GenerationConfig(max_tokens=args.max_tokens, device="cpu", precision=precision,
+                               quantize="none" if mode in ("fp32", "bf16") else "int8", threads=args.threads,
                                workers=args.worker_processes)
     t0 = time.perf_counter()
     bundle, generator = load_generator(args.path, search_cfg, gen_cfg)

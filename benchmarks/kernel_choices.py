@@ -1,6 +1,6 @@
 """The measurements behind the CPU backend's kernel choices, on this machine (medians of repeated runs, in ms).
 
-    python benchmarks/kernel_choices.py [--threads 2] [--only linear,attention,cache,blockmax]
+    python benchmarks/kernel_choices.py [--threads 2] [--only linear,attention,cache,int8,blockmax]
 
 * linear:    nn.Linear + ReLU against oneDNN's inner product with bias and ReLU fused, with the weight packed
              once (PackedLinear) and not; fp32, and bf16 where the CPU runs it natively (backends/onednn.py,
@@ -8,6 +8,9 @@
 * attention: the plain matmul-softmax-matmul against SDPA's fused kernel, causal, forward + backward, 4096
              tokens per batch, by sequence length (backends/cpu.py PLAIN_ATTENTION_MAX_LEN).
 * cache:     one decoder step's attention over a beam cache: the plain form against SDPA (models/incremental.py).
+* int8:      a decoding step's products with int8 weights and activations quantized on the fly (oneDNN, bf16
+             out; the quantization included) against the bf16 packed product, by shape (backends/onednn.py
+             Int8PackedLinear, INT8_MIN_ROWS, INT8_MIN_WIDENING); where the CPU has native bf16 and int8.
 * blockmax:  the maxima of 64-token blocks of bf16 log-probabilities: ``amax`` against the integer scan on the
              bit patterns (generation/search.py ``_block_maxima``).
 
@@ -50,6 +53,26 @@ def linear(native_bf16: bool) -> None:
             pk = timed(lambda x=x, packed=packed: packed(x, relu=True))
         print(f"linear {str(dtype)[6:]:8s} ({m}x{k})x({k}x{n}) + relu: nn.Linear {plain:.2f} ms, oneDNN fused "
               f"{fused:.2f} ms, packed weight {pk:.2f} ms")
+
+
+def int8() -> None:
+    from attnmt.backends import onednn
+    from attnmt.backends.onednn import Int8PackedLinear, PackedLinear
+
+    onednn.INT8_MIN_ROWS = 1  # the int8 kernel at every row count, to show where the threshold belongs
+
+    # (rows, in, out) of transformer_small's decoding steps: output projection, feed-forward in and out, fused
+    # query/key/value, a square projection; 1,024 rows = 256 sentences x beam 4, 64 rows = a batch's tail
+    for m, k, n in ((256, 256, 9656), (1024, 256, 1024), (1024, 1024, 256), (1024, 256, 768), (1024, 256, 256),
+                    (128, 256, 768), (64, 256, 768)):
+        x = torch.randn(m, k).bfloat16()
+        lin = torch.nn.Linear(k, n).bfloat16()
+        q, packed = Int8PackedLinear(lin), PackedLinear(lin)
+        with torch.no_grad():
+            t_bf16 = timed(lambda x=x, packed=packed: packed(x))
+            t_int8 = timed(lambda x=x, q=q: q(x))
+        print(f"int8 ({m}x{k})x({k}x{n}): bf16 packed {t_bf16:.3f} ms, int8 with quantization {t_int8:.3f} ms "
+              f"({t_bf16 / t_int8:.2f}x)")
 
 
 def attention(dtype: torch.dtype) -> None:
@@ -100,7 +123,7 @@ def blockmax() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--only", default="linear,attention,cache,blockmax")
+    ap.add_argument("--only", default="linear,attention,cache,int8,blockmax")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -116,6 +139,8 @@ def main() -> None:
         attention(dtype)
     if "cache" in only:
         cache(dtype)
+    if "int8" in only and caps.onednn_int8:
+        int8()
     if "blockmax" in only:
         blockmax()
 

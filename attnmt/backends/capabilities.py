@@ -89,6 +89,15 @@ class CpuCapabilities:
         vnni = "avx512_vnni" in self.flags or "amx_int8" in self.flags
         return vnni and not cap.startswith(("AVX2", "SSE"))
 
+    @property
+    def onednn_int8(self) -> bool:
+        """oneDNN's int8 products (u8 activations x s8 weights, ``torch.ops.onednn.qlinear_pointwise``) run on
+        VNNI or AMX int8 instructions with 32-bit accumulation, next to native bf16: what ``--quantize int8`` with
+        bf16 activations needs. Every CPU with native bf16 so far also has VNNI; without it oneDNN's AVX2 int8
+        kernels can saturate."""
+        vnni = "avx512_vnni" in self.flags or "amx_int8" in self.flags or not self.flags
+        return self.native_bf16 and self.onednn_avx512 and vnni and hasattr(torch.ops.onednn, "qlinear_pointwise")
+
     def why_no_bf16(self) -> str:
         """Why bf16 is not native here, in a phrase (for error messages)."""
         if self.switched_off:

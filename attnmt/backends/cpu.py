@@ -5,7 +5,9 @@ What it decides, once per run (see ``capabilities.py`` for how the CPU is detect
 * **Linear layers.** bf16 training on a CPU with native bf16 swaps the model's linear layers for
   :class:`~attnmt.backends.onednn.TrainingLinear` (bias and ReLU inside oneDNN's product); bf16 inference
   casts the model once and packs its weights (:class:`~attnmt.backends.onednn.PackedLinear`); ``--quantize int8``
-  swaps them for dynamic int8 layers (:class:`Int8Linear`). fp32 runs its linear layers through oneDNN as
+  swaps them for dynamic int8 layers: with fp32 activations fbgemm's (:class:`Int8Linear`), with bf16 ones
+  (``--precision auto`` on a CPU with native bf16) oneDNN's for the wide products
+  (:class:`~attnmt.backends.onednn.Int8PackedLinear`) in an otherwise bf16 model. fp32 runs its linear layers through oneDNN as
   well (fused bias + ReLU, backward products in oneDNN, prepacked weights for inference) on CPUs not made by
   Intel, where MKL keeps to AVX2 and oneDNN's AVX-512 kernels win (``capabilities.CpuCapabilities.onednn_fp32``;
   ``ATTNMT_CPU_ONEDNN_FP32=0|1`` overrides); elsewhere fp32 keeps the plain layers (MKL).
@@ -131,16 +133,22 @@ class CpuBackend(Backend):
         return model
 
     def prepare_inference(self, model: nn.Module, quantize: str = "none") -> nn.Module:
-        if quantize == "int8":
-            if self.precision != "fp32":
-                raise UserError(f"--quantize int8 and --precision {self.precision} are alternatives; choose one")
+        if quantize not in ("none", "int8"):
+            raise ValueError(f"unknown quantization {quantize!r}")
+        from attnmt.backends.onednn import Int8PackedLinear, PackedLinear, int8_pays
+
+        if quantize == "int8" and self.precision == "fp32":
             reduce_range = not self.caps.int8_full_range
             swap_linears(model, lambda m: Int8Linear(m, reduce_range), (Linear, nn.Linear))
             return model.eval()
-        if quantize != "none":
-            raise ValueError(f"unknown quantization {quantize!r}")
-        from attnmt.backends.onednn import PackedLinear
-
+        if quantize == "int8":  # bf16 activations: the wide products in int8, the rest as a bf16 model
+            if not self.caps.onednn_int8:
+                raise UserError(f"--quantize int8 with --precision {self.precision}: this CPU ({self.caps.name}) "
+                                f"has no int8 instructions next to its bf16 ones; use --precision fp32")
+            model = model.to(torch.bfloat16)
+            swap_linears(model, lambda m: Int8PackedLinear(m) if int8_pays(m) else PackedLinear(m),
+                         (Linear, nn.Linear))
+            return model.eval()
         if self.precision == "bf16":
             model = model.to(torch.bfloat16)  # once, instead of autocast casting at every step
             if self.caps.fused_linear:

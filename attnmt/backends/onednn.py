@@ -128,3 +128,61 @@ class PackedLinear(nn.Module):
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed, self.bias,
                                                "relu" if relu else "none", [], "")
         return y.view(*x.shape[:-1], self.out_features)
+
+
+INT8_MIN_ROWS = 128  # fewer rows: the bf16 product, as quantizing the activations costs more than it saves
+INT8_MIN_WIDENING = 2  # int8 only for layers at least this many times wider than their input (see Int8PackedLinear)
+_ZERO_POINT_U8 = 128  # activations as unsigned bytes, 0 stored as 128 (the u8 x s8 products VNNI and AMX run)
+
+
+class Int8PackedLinear(nn.Module):
+    """A bf16 model's linear layer with int8 weights (one scale per output row) and activations quantized on the
+    fly (one scale per product, all 8 bits), through oneDNN's int8 inner product; the result comes out in bf16.
+
+    For CPUs with native bf16 and VNNI or AMX int8 instructions (``CpuCapabilities.onednn_int8``), where an int8
+    product runs about twice as fast as a bf16 one: everything but the matrix products (attention over the cache,
+    layer norms, the scores) stays in bf16, as CTranslate2's int8 runs next to float32. Quantizing the activations
+    is a pass over the input of its own (min/max, then scale and round), so it pays only where the product has
+    much more work than its input has elements: layers at least ``INT8_MIN_WIDENING`` times wider than their
+    input (the output projection to the vocabulary, the feed-forward's first layer, the fused query/key/value
+    projection) on at least ``INT8_MIN_ROWS`` rows (benchmarks/kernel_choices.py; docs/results.md). Smaller
+    products run the bf16 packed weight. ``relu=True`` applies the ReLU inside the product.
+    """
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self.bf16 = PackedLinear(linear)
+        w = linear.weight.detach().float()
+        self.weight_scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127  # (out,) float32
+        q = torch.round(w / self.weight_scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        self.packed_int8 = torch.ops.onednn.qlinear_prepack(q, None)
+        self.weight_zero_point = torch.zeros(self.out_features, dtype=torch.int64)
+        self.zero_point = torch.tensor(_ZERO_POINT_U8)
+        self.bias_bf16 = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
+
+    def forward(self, x: Tensor, relu: bool = False) -> Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if x2.size(0) < INT8_MIN_ROWS or x.dtype != torch.bfloat16:
+            return self.bf16(x, relu)
+        qx, scale = quantize_u8(x2)
+        y = torch.ops.onednn.qlinear_pointwise.tensor(
+            qx, scale, self.zero_point, self.packed_int8, self.weight_scale, self.weight_zero_point, self.bias_bf16,
+            1.0, 0, torch.bfloat16, "relu" if relu else "none", [], "")
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def quantize_u8(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(x / scale + 128 rounded to unsigned bytes, scale) with one scale for the whole tensor: its largest
+    magnitude maps to 127 (symmetric, so 0 stays exact). Computed in float32: bf16 cannot hold x / scale + 128
+    to the unit."""
+    lo, hi = torch.aminmax(x)
+    scale = max(float(torch.maximum(-lo, hi)), 1e-30) / 127
+    q = x.float().mul_(1 / scale).add_(_ZERO_POINT_U8 + 0.5).to(torch.uint8)  # + 0.5 then truncation: rounding
+    return q, torch.tensor(scale)
+
+
+def int8_pays(linear: nn.Linear) -> bool:
+    """Whether a layer gets int8 weights in a bf16 model (see :class:`Int8PackedLinear`)."""
+    return linear.out_features >= INT8_MIN_WIDENING * linear.in_features

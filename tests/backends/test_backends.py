@@ -13,7 +13,9 @@ from conftest import NATIVE_BF16, needs_native_bf16, tiny_transformer
 from attnmt.backends import backend_for, capabilities, resolve_precision
 from attnmt.backends.base import Backend
 from attnmt.backends.cpu import CpuBackend, Int8Linear, padded_rows
+from attnmt.backends.onednn import INT8_MIN_ROWS, INT8_MIN_WIDENING, Int8PackedLinear, PackedLinear, quantize_u8
 from attnmt.errors import UserError
+from attnmt.generation.generator import GenerationConfig
 from attnmt.models.linear import Linear
 
 CPU = torch.device("cpu")
@@ -232,8 +234,58 @@ def test_int8_inference_quantizes_every_linear_and_stays_close():
             assert torch.equal(layer(x, relu=True), F.relu(layer(x)))
             assert float((layer(x) - lin(x)).abs().max() / lin(x).abs().max()) < 0.05
     assert float((out - ref).abs().max() / ref.abs().max()) < 0.1
-    with pytest.raises(UserError, match="alternatives"):
-        CpuBackend(CPU, "bf16").prepare_inference(_model().eval(), "int8")
+
+
+def test_activations_are_quantized_to_bytes_around_128():
+    x = torch.tensor([[-1.0, 0.0, 1.0, 0.5, -0.5, 0.25, -0.004]]).bfloat16()
+    q, scale = quantize_u8(x)
+    assert float(scale) == pytest.approx(1 / 127)
+    # x / scale rounded to the nearest integer (halves upwards), stored as 128 + that
+    assert q.tolist() == [[1, 128, 255, 192, 65, 160, 127]]
+    assert quantize_u8(torch.zeros(2, 3))[0].eq(128).all()  # an all-zero input gets a finite scale
+
+
+needs_onednn_int8 = pytest.mark.skipif(not capabilities.cpu().onednn_int8,
+                                       reason="no int8 instructions next to native bf16 on this CPU")
+
+
+@needs_onednn_int8
+def test_int8_with_bf16_activations_quantizes_the_wide_products_and_stays_close():
+    model = _model().eval()
+    src, lengths, prev = _inputs()
+    with torch.no_grad():
+        ref = model(src, lengths, prev)
+        q = CpuBackend(CPU, "bf16").prepare_inference(_model().eval(), "int8")
+        kinds = {type(m) for m in q.modules()}
+        assert Int8PackedLinear in kinds and PackedLinear in kinds and Linear not in kinds
+        inner = {id(m.bf16) for m in q.modules() if type(m) is Int8PackedLinear}  # its small-batch product
+        for m in q.modules():
+            if isinstance(m, (Int8PackedLinear, PackedLinear)) and id(m) not in inner:
+                assert (type(m) is Int8PackedLinear) == (m.out_features >= INT8_MIN_WIDENING * m.in_features)
+        assert all(p.dtype == torch.bfloat16 for p in q.parameters())
+        out = q(src, lengths, prev)
+        assert float((out.float() - ref).abs().max() / ref.abs().max()) < 0.1
+
+        lin = Linear(64, 256).bfloat16()  # as in the model, cast before the swap
+        layer = Int8PackedLinear(lin)
+        x = torch.randn(INT8_MIN_ROWS, 64).bfloat16()
+        y, expected = layer(x), F.linear(x.float(), lin.weight.float(), lin.bias.float())
+        assert y.dtype == torch.bfloat16 and float((y.float() - expected).abs().max() / expected.abs().max()) < 0.03
+        assert torch.equal(layer(x, relu=True), F.relu(layer(x)))
+        few = x[: INT8_MIN_ROWS - 1]  # fewer rows: the bf16 product, bitwise
+        assert torch.equal(layer(few, relu=True), PackedLinear(lin)(few, relu=True))
+
+
+def test_int8_activation_precision_follows_the_request(monkeypatch):
+    """fp32 asks for fbgemm's layers on any CPU; fp16 is a GPU's and refused with int8."""
+    q = CpuBackend(CPU, "fp32").prepare_inference(_model().eval(), "int8")
+    assert any(type(m) is Int8Linear for m in q.modules())
+    with pytest.raises(ValueError, match="--fp16 and --quantize int8"):
+        GenerationConfig(fp16=True, quantize="int8")
+    if NATIVE_BF16:  # a CPU with bf16 but without int8 instructions is told what to use instead
+        monkeypatch.setattr(type(capabilities.cpu()), "onednn_int8", property(lambda self: False))
+        with pytest.raises(UserError, match="--quantize int8 with --precision bf16.*use --precision fp32"):
+            CpuBackend(CPU, "bf16").prepare_inference(_model().eval(), "int8")
 
 
 def test_row_buckets_are_the_cpus_only():
