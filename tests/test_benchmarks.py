@@ -19,3 +19,14 @@ def test_gpu_training_benchmark_runs_on_the_cpu_with_epoch_end_saves(tmp_path):
     row = json.loads(r.stdout.strip().splitlines()[-1])
     assert row["updates"] == 6 and row["epoch_ends"] >= 1 and row["save"] == "background"
     assert row["s_median"] > 0 and row["tok_s"] > 0 and 0 < row["flop_s"] < 10 * row["peak_flop_s"]
+
+
+def test_kernel_choices_runs_its_int8_comparison_where_the_cpu_has_it():
+    from attnmt.backends import capabilities
+
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_choices.py"), "--threads", "1", "--only",
+                        "int8"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("int8 (")]
+    assert len(lines) == (7 if capabilities.cpu().onednn_int8 else 0), r.stdout
+    assert all("bf16 packed" in ln and "int8 with quantization" in ln for ln in lines)
