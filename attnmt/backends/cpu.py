@@ -7,9 +7,9 @@ What it decides, once per run (see ``capabilities.py`` for how the CPU is detect
   casts the model once and packs its weights (:class:`~attnmt.backends.onednn.PackedLinear`); ``--quantize int8``
   swaps them for dynamic int8 layers: with fp32 activations fbgemm's (:class:`Int8Linear`), with bf16 ones
   (``--precision auto`` on a CPU with native bf16) oneDNN's for the wide products
-  (:class:`~attnmt.backends.onednn.Int8PackedLinear`) in an otherwise bf16 model. fp32 runs its linear layers through oneDNN as
-  well (fused bias + ReLU, backward products in oneDNN, prepacked weights for inference) on CPUs not made by
-  Intel, where MKL keeps to AVX2 and oneDNN's AVX-512 kernels win (``capabilities.CpuCapabilities.onednn_fp32``;
+  (:class:`~attnmt.backends.onednn.Int8PackedLinear`) in an otherwise bf16 model. fp32 runs its linear layers
+  through oneDNN as well (fused bias + ReLU, backward products in oneDNN, prepacked weights for inference) on
+  CPUs not made by Intel, where MKL keeps to AVX2 and oneDNN's AVX-512 kernels win (``capabilities.CpuCapabilities.onednn_fp32``;
   ``ATTNMT_CPU_ONEDNN_FP32=0|1`` overrides); elsewhere fp32 keeps the plain layers (MKL).
 * **Attention.** For sentence-length sequences the plain matmul-softmax-matmul is faster on the CPU than PyTorch's
   fused "flash" kernel, whose advantage starts at several hundred tokens (benchmarks/kernel_choices.py; figures per CPU in docs/results.md): "auto" runs the plain form up
