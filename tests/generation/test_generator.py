@@ -316,7 +316,8 @@ def test_cli_options_and_errors(ckpt, tmp_path):
     assert a == b and len(a.splitlines()) == 5
     bf, _ = run_cli(base + ["--precision", "auto"], stdin)
     q, _ = run_cli(base + ["--quantize", "int8", "--threads", "1"], stdin)
-    assert len(bf.splitlines()) == len(q.splitlines()) == 5
+    q_auto, _ = run_cli(base + ["--quantize", "int8", "--precision", "auto", "--threads", "1"], stdin)
+    assert len(bf.splitlines()) == len(q.splitlines()) == len(q_auto.splitlines()) == 5
     long_line = " ".join(["water"] * 100)
     with pytest.raises(UserError, match=r"stdin:2: the source has \d+ tokens but the model accepts at most 96"):
         run_cli(base, f"Dog.\n{long_line}\n")
