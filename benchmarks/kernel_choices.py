@@ -59,7 +59,8 @@ def int8() -> None:
     from attnmt.backends import onednn
     from attnmt.backends.onednn import Int8PackedLinear, PackedLinear
 
-    onednn.INT8_MIN_ROWS = 1  # the int8 kernel at every row count, to show where the threshold belongs
+    threshold, onednn.INT8_MIN_ROWS = onednn.INT8_MIN_ROWS, 1  # the int8 kernel at every row count, to show
+    # where the threshold belongs; restored below
 
     # (rows, in, out) of transformer_small's decoding steps: output projection, feed-forward in and out, fused
     # query/key/value, a square projection; 1,024 rows = 256 sentences x beam 4, 64 rows = a batch's tail
@@ -73,6 +74,7 @@ def int8() -> None:
             t_int8 = timed(lambda x=x, q=q: q(x))
         print(f"int8 ({m}x{k})x({k}x{n}): bf16 packed {t_bf16:.3f} ms, int8 with quantization {t_int8:.3f} ms "
               f"({t_bf16 / t_int8:.2f}x)")
+    onednn.INT8_MIN_ROWS = threshold
 
 
 def attention(dtype: torch.dtype) -> None:

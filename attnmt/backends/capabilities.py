@@ -95,7 +95,7 @@ class CpuCapabilities:
         VNNI or AMX int8 instructions with 32-bit accumulation, next to native bf16: what ``--quantize int8`` with
         bf16 activations needs. Every CPU with native bf16 so far also has VNNI; without it oneDNN's AVX2 int8
         kernels can saturate."""
-        vnni = "avx512_vnni" in self.flags or "amx_int8" in self.flags or not self.flags
+        vnni = "avx512_vnni" in self.flags or "amx_int8" in self.flags
         return self.native_bf16 and self.onednn_avx512 and vnni and hasattr(torch.ops.onednn, "qlinear_pointwise")
 
     def why_no_bf16(self) -> str:
