@@ -56,8 +56,10 @@ def linear(native_bf16: bool) -> None:
 
 
 def int8() -> None:
-    from attnmt.backends import onednn
+    from attnmt.backends import configure_process, onednn
     from attnmt.backends.onednn import Int8PackedLinear, PackedLinear
+
+    configure_process("generate", "cpu")  # as attnmt generate runs: the quantization's temporaries reuse memory
 
     threshold, onednn.INT8_MIN_ROWS = onednn.INT8_MIN_ROWS, 1  # the int8 kernel at every row count, to show
     # where the threshold belongs; restored below

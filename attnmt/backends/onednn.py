@@ -179,7 +179,8 @@ def quantize_u8(x: Tensor) -> tuple[Tensor, Tensor]:
     to the unit."""
     lo, hi = torch.aminmax(x)
     scale = max(float(torch.maximum(-lo, hi)), 1e-30) / 127
-    q = x.float().mul_(1 / scale).add_(_ZERO_POINT_U8 + 0.5).to(torch.uint8)  # + 0.5 then truncation: rounding
+    q = x.float().mul_(1 / scale).add_(_ZERO_POINT_U8 + 0.5)  # + 0.5 then truncation: rounding
+    q = q.to(torch.int32).to(torch.uint8)  # float -> uint8 directly is unvectorized: ~3x slower
     return q, torch.tensor(scale)
 
 
