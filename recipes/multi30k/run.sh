@@ -69,7 +69,7 @@ case "$PROFILE" in
 esac
 # Both profiles share the model and schedule chosen on val; see docs/results.md for what each was measured against.
 ARCH=${ARCH:-transformer_small}
-VOCAB=${VOCAB:-10000}
+VOCAB=${VOCAB:-8000}
 AVG=${AVG:-5 10}
 LENPEN=${LENPEN:-0.6 1.0}
 AVG=${AVG//,/ }; LENPEN=${LENPEN//,/ }
