@@ -76,7 +76,7 @@ AVG=${AVG//,/ }; LENPEN=${LENPEN//,/ }
 for k in $AVG; do [[ "$k" =~ ^[1-9][0-9]*$ ]] || fail "AVG=$AVG: give one or more positive whole numbers"; done
 for lp in $LENPEN; do [[ "$lp" =~ ^-?[0-9]+(\.[0-9]+)?$ ]] || fail "LENPEN=$LENPEN: give one or more numbers"; done
 KEEP=$(printf '%s\n' $AVG | sort -n | tail -1)
-PROFILE_TRAIN_ARGS="--max-tokens 4096 --lr 1e-3 --warmup-updates 500 --warmup-init-lr 1e-7 --label-smoothing 0.1 \
+PROFILE_TRAIN_ARGS="--max-tokens 4096 --lr 2e-3 --warmup-updates 500 --warmup-init-lr 1e-7 --label-smoothing 0.1 \
 --weight-decay 0.0001"
 [ "$TRAIN_LINES" -gt 0 ] && VOCAB=${SMOKE_VOCAB:-500}
 log "profile $PROFILE (precision $PRECISION): $ARCH, vocabulary $VOCAB, $PROFILE_TRAIN_ARGS; average {$AVG}, \
