@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import heapq
 import math
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -33,7 +34,7 @@ class GenerationConfig:
 
     max_tokens: int | None = field(default=0, metadata={
         "help": "Most padded source tokens per batch (the beam multiplies the work); sentences are length-sorted. "
-                "0: the device's choice (4096 on the CPU, 16000 on a GPU, which needs larger batches to fill it)."})
+                "0: the device's choice (8192 on the CPU, 16000 on a GPU, which needs larger batches to fill it)."})
     batch_size: int | None = field(default=None, metadata={"help": "Most sentences per batch (none: no limit).",
                                                            "aliases": ("--max-sentences",)})
     device: str = field(default="auto", metadata={"help": "auto (cuda when available), cpu, cuda or cuda:N."})
@@ -73,17 +74,49 @@ class GenerationConfig:
             raise ValueError("--fp16 and --quantize int8 are alternatives (int8 runs on the CPU); choose one")
 
 
-def make_batches(lengths: Sequence[int], max_tokens: int | None, batch_size: int | None) -> list[list[int]]:
+def make_batches(lengths: Sequence[int], max_tokens: int | None, batch_size: int | None,
+                 workers: int = 1) -> list[list[int]]:
     """Indices grouped into batches of similar length, longest first.
 
     A batch of ``n`` sentences whose longest has ``L`` tokens costs ``n * L`` padded tokens; it is kept within
     ``max_tokens`` (a longer single sentence still gets a batch of its own) and ``batch_size``.
+
+    ``workers``: the batches are translated by this many processes side by side, each taking the next. Cut at
+    ``max_tokens``, the last batch is a remainder, often small, that one worker translates while the others wait;
+    so the number of batches is rounded up to a multiple of ``workers`` and the token budget lowered to the
+    smallest that still gives no more batches than that: batches of about equal size, taken when the workers
+    would then finish sooner (padded tokens standing for the time a batch takes).
     """
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    order = np.asarray(sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)), dtype=np.int64)
     if max_tokens is None and batch_size is None:
-        return [order] if order else []
-    return [b.tolist() for b in batch_by_size(np.asarray(order, dtype=np.int64), np.asarray(lengths, dtype=np.int64),
-                                              max_tokens, batch_size, oversized_alone=True)]
+        return [order.tolist()] if len(order) else []
+    sizes = np.asarray(lengths, dtype=np.int64)
+
+    def cut(budget: int | None) -> list[np.ndarray]:
+        return batch_by_size(order, sizes, budget, batch_size, oversized_alone=True)
+
+    batches = cut(max_tokens)
+    if workers > 1 and max_tokens is not None and len(batches) % workers:
+        target = -(-len(batches) // workers) * workers
+        lo, hi = 1, max_tokens  # fewer tokens never give fewer batches: the smallest budget giving <= target
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(cut(mid)) <= target:
+                hi = mid
+            else:
+                lo = mid + 1
+        even = cut(lo)
+        if _finish(even, sizes, workers) < _finish(batches, sizes, workers):
+            batches = even
+    return [b.tolist() for b in batches]
+
+
+def _finish(batches: list[np.ndarray], lengths: np.ndarray, workers: int) -> int:
+    """When the last of ``workers`` workers, each taking the next batch when free, finishes (in padded tokens)."""
+    free = [0] * workers
+    for b in batches:
+        heapq.heapreplace(free, free[0] + len(b) * int(lengths[b].max()))
+    return max(free)
 
 
 def collate(sources: Sequence[Sequence[int]], pad: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,7 +245,8 @@ class Generator:
         if max_tokens == 0:
             max_tokens = self.backend.decoding_max_tokens()
         checked = [self._check_length(list(map(int, s)), first_id + i, where) for i, s in enumerate(sources)]
-        batches = make_batches([len(s) for s in checked], max_tokens, batch_size)
+        workers = len(self.pool) if self.pool is not None else 1
+        batches = make_batches([len(s) for s in checked], max_tokens, batch_size, workers)
         pending: dict[int, list[Hypothesis]] = {}
         next_out = 0
         for batch, hyps in self._search_batches(checked, batches, first_id):

@@ -153,10 +153,10 @@ def test_max_tokens_zero_is_the_devices_choice(ckpt):
     assert GenerationConfig().max_tokens == 0
     assert CudaBackend(torch.device("cuda")).decoding_max_tokens() == 16000
     bundle, gen = _load(ckpt, beam=2)
-    assert gen.backend.decoding_max_tokens() == 4096
+    assert gen.backend.decoding_max_tokens() == 8192
     sources = bundle.encode_sources(SENTENCES)
     assert [h[0].tokens for _, h in gen.generate(sources)] == \
-        [h[0].tokens for _, h in gen.generate(sources, max_tokens=4096)]
+        [h[0].tokens for _, h in gen.generate(sources, max_tokens=8192)]
     with pytest.raises(ValueError, match="--max-tokens must be positive"):
         GenerationConfig(max_tokens=-1)
     with pytest.raises(UserError, match="--fp16 needs a CUDA GPU"):
@@ -192,6 +192,23 @@ def test_make_batches_respects_limits():
         assert len(b) <= 3
         assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 12
     assert [7] in batches  # longer than --max-tokens alone: a batch of its own
+
+
+def test_make_batches_for_workers_finish_together():
+    lengths = [10] * 8  # at 30 tokens: 3 + 3 + 2 sentences, the last batch left to one worker (time 5 vs 4)
+    assert [len(b) for b in make_batches(lengths, 30, None)] == [3, 3, 2]
+    even = make_batches(lengths, 30, None, workers=2)
+    assert [len(b) for b in even] == [2, 2, 2, 2]  # the smallest budget that gives 4 batches: 20 tokens
+    assert sorted(i for b in even for i in b) == list(range(8))
+    assert make_batches(lengths, 30, None, workers=3) == make_batches(lengths, 30, None)  # 3 batches already
+    # 4 + 4 + 1 at 40 tokens takes 5 units on 2 workers; its even cut, 3 + 3 + 3, would take 6: kept as it is
+    assert make_batches([10] * 9, 40, None, workers=2) == make_batches([10] * 9, 40, None)
+    lengths = [5, 1, 9, 3, 3, 7, 2, 20, 4, 6, 8]
+    for workers in (2, 3, 4):
+        batches = make_batches(lengths, 12, 3, workers)
+        assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+        for b in batches:  # the limits still hold
+            assert len(b) <= 3 and (len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 12)
 
 
 @pytest.mark.precision
