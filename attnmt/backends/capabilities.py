@@ -81,9 +81,9 @@ class CpuCapabilities:
 
     @property
     def int8_full_range(self) -> bool:
-        """fbgemm's int8 products accumulate in 32 bits (AVX-512 VNNI or AMX), so activations can use all 8 bits.
-        Without VNNI, fbgemm's AVX2 kernels add pairs of u8 x s8 products in 16 bits, which saturate unless the
-        activations are quantized to 7 bits (PyTorch's ``reduce_range``, its default on every CPU).
+        """fbgemm's int8 products accumulate in 32 bits (AVX-512 VNNI or AMX), so weights and activations can both
+        use all 8 bits. Without VNNI, fbgemm's AVX2 kernels add pairs of u8 x s8 products in 16 bits, which
+        saturate unless one side has 7 bits: the weights get them (``cpu.Int8Linear``).
         ``FBGEMM_ENABLE_INSTRUCTIONS=AVX2`` (fbgemm's own cap) turns it off."""
         cap = os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS", "").upper()
         vnni = "avx512_vnni" in self.flags or "amx_int8" in self.flags

@@ -229,11 +229,31 @@ def test_int8_inference_quantizes_every_linear_and_stays_close():
         out = q(src, lengths, prev)
         lin = Linear(64, 48)
         x = torch.randn(5, 64)
-        for reduce_range in (True, False):
-            layer = Int8Linear(lin, reduce_range)
+        for bits in (7, 8) if capabilities.cpu().int8_full_range else (7,):  # 8 saturates without VNNI (below)
+            layer = Int8Linear(lin, bits)
             assert torch.equal(layer(x, relu=True), F.relu(layer(x)))
             assert float((layer(x) - lin(x)).abs().max() / lin(x).abs().max()) < 0.05
     assert float((out - ref).abs().max() / ref.abs().max()) < 0.1
+
+
+def test_int8_weights_leave_fbgemm_avx2_kernels_no_room_to_saturate():
+    """Without 32-bit accumulation fbgemm adds pairs of u8 x s8 products in 16 bits: large positive activations
+    against large positive 8-bit weights overflow there (CI reruns this file with fbgemm capped at AVX2). The
+    backend's choice of weight width must give the fp32 product on any CPU."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 32)
+    with torch.no_grad():
+        lin.weight.copy_(torch.rand(32, 64) * 0.5 + 0.5)
+    x = torch.rand(4, 64) * 0.5 + 0.5
+    bits = 8 if capabilities.cpu().int8_full_range else 7
+    with torch.no_grad():
+        layer = Int8Linear(lin, bits)
+        w = layer.inner._packed_params._weight_bias()[0].int_repr()
+        half = 1 << (bits - 1)
+        assert -half <= int(w.min()) and int(w.max()) <= half - 1 <= int(w.abs().max())  # the whole range, no more
+        assert float((layer(x) - lin(x)).abs().max() / lin(x).abs().max()) < 0.01
+    with pytest.raises(ValueError, match="weight_bits must be 7 or 8"):
+        Int8Linear(lin, 4)
 
 
 def test_activations_are_quantized_to_bytes_around_128():
