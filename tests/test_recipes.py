@@ -57,7 +57,12 @@ def test_multi30k_recipe_smoke(tmp_path):
         assert "13a" in result["signature"]
     assert_png(out / "training_curves.png")
     assert_png(out / "attention_1.png")
-    assert "profile " + start["precision"] in r.stderr  # the hardware's choice is printed
+    from attnmt.backends import capabilities
+
+    # the hardware's choice is printed: the profile by how many updates the budget buys, and its dropout
+    profile = "fp32" if not NATIVE_BF16 else "amx" if capabilities.cpu().bf16_hardware == "AMX" else "bf16"
+    assert f"profile {profile} (precision {start['precision']})" in r.stderr
+    assert f"--dropout {0.3 if profile == 'amx' else 0.2}" in r.stderr
     # the averaging window and the length penalty are chosen on val: every pair tried, the best one used
     rows = [line.split("\t") for line in (out / "val_choice.tsv").read_text().splitlines()[1:]]
     assert [(k, lp) for k, lp, _ in rows] == [("1", "0.6"), ("1", "1.0"), ("2", "0.6"), ("2", "1.0")]
@@ -81,7 +86,7 @@ def test_multi30k_recipe_reverse_direction(tmp_path):
 @pytest.mark.parametrize("env, message", [
     ({"SRC": "en", "TGT": "xx"}, "no Multi30k data for language 'xx'; SRC and TGT take: cs de en fr"),
     ({"SRC": "de", "TGT": "de"}, "SRC and TGT are both 'de'"),
-    ({"PROFILE": "fast"}, "PROFILE=fast: use auto, bf16 or fp32"),
+    ({"PROFILE": "fast"}, "PROFILE=fast: use auto, amx, bf16 or fp32"),
     ({"AVG": "5 ten"}, "AVG=5 ten: give one or more positive whole numbers"),
     ({"LENPEN": "0.6,high"}, "LENPEN=0.6 high: give one or more numbers"),
 ])
