@@ -92,7 +92,7 @@ class Int8Linear(nn.Module):
     it; its warnings are silenced because the user asked for exactly this.
     """
 
-    def __init__(self, linear: nn.Linear, weight_bits: int = 8):
+    def __init__(self, linear: nn.Linear, weight_bits: int):
         super().__init__()
         if weight_bits not in (7, 8):
             raise ValueError(f"weight_bits must be 7 or 8, got {weight_bits}")
