@@ -12,8 +12,8 @@
 #
 # Configuration: the training settings below were chosen on val (docs/results.md, "Multi30k: what was tried").
 # PROFILE=auto picks them from the hardware, by how many updates the 55 minutes buy: "amx" on a CPU with AMX
-# (bf16, ~8,600 updates), "bf16" where the CPU computes bf16 natively otherwise (AVX-512 BF16, ~4,500), "fp32"
-# elsewhere (~2,300). They differ in the residual dropout: 0.2 for the shorter runs, which are still
+# (bf16, ~8,600 updates), "bf16" where the CPU computes bf16 natively otherwise (AVX-512 BF16, ~4,300-4,600), "fp32"
+# elsewhere (~2,300-2,600). They differ in the residual dropout: 0.2 for the shorter runs, which are still
 # under-fitted at the end, 0.3 for AMX's twice longer one. The choice is printed.
 #
 # Knobs (environment variables):
