@@ -10,7 +10,7 @@
 * cache:     one decoder step's attention over a beam cache: the plain form against SDPA (models/incremental.py).
 * int8:      a decoding step's products with int8 weights and activations quantized on the fly (oneDNN, bf16
              out; the quantization included) against the bf16 packed product, by shape (backends/onednn.py
-             Int8PackedLinear, INT8_MIN_ROWS, INT8_MIN_WIDENING); where the CPU has native bf16 and int8.
+             Int8PackedLinear, INT8_MIN_ROWS); where the CPU has native bf16 and int8.
 * blockmax:  the maxima of 64-token blocks of bf16 log-probabilities: ``amax`` against the integer scan on the
              bit patterns (generation/search.py ``_block_maxima``).
 

@@ -6,7 +6,7 @@ What it decides, once per run (see ``capabilities.py`` for how the CPU is detect
   :class:`~attnmt.backends.onednn.TrainingLinear` (bias and ReLU inside oneDNN's product); bf16 inference
   casts the model once and packs its weights (:class:`~attnmt.backends.onednn.PackedLinear`); ``--quantize int8``
   swaps them for dynamic int8 layers: with fp32 activations fbgemm's (:class:`Int8Linear`), with bf16 ones
-  (``--precision auto`` on a CPU with native bf16) oneDNN's for the wide products
+  (``--precision auto`` on a CPU with native bf16) oneDNN's
   (:class:`~attnmt.backends.onednn.Int8PackedLinear`) in an otherwise bf16 model. fp32 runs its linear layers
   through oneDNN as well (fused bias + ReLU, backward products in oneDNN, prepacked weights for inference) on
   CPUs not made by Intel, where MKL keeps to AVX2 and oneDNN's AVX-512 kernels win (``capabilities.CpuCapabilities.onednn_fp32``;
@@ -143,19 +143,18 @@ class CpuBackend(Backend):
     def prepare_inference(self, model: nn.Module, quantize: str = "none") -> nn.Module:
         if quantize not in ("none", "int8"):
             raise ValueError(f"unknown quantization {quantize!r}")
-        from attnmt.backends.onednn import Int8PackedLinear, PackedLinear, int8_pays
+        from attnmt.backends.onednn import Int8PackedLinear, PackedLinear
 
         if quantize == "int8" and self.precision == "fp32":
             bits = 8 if self.caps.int8_full_range else 7
             swap_linears(model, lambda m: Int8Linear(m, bits), (Linear, nn.Linear))
             return model.eval()
-        if quantize == "int8":  # bf16 activations: the wide products in int8, the rest as a bf16 model
+        if quantize == "int8":  # bf16 activations: the products in int8, the rest as a bf16 model
             if not self.caps.onednn_int8:
                 raise UserError(f"--quantize int8 with --precision {self.precision}: this CPU ({self.caps.name}) "
                                 f"has no int8 instructions next to its bf16 ones; use --precision fp32")
             model = model.to(torch.bfloat16)
-            swap_linears(model, lambda m: Int8PackedLinear(m) if int8_pays(m) else PackedLinear(m),
-                         (Linear, nn.Linear))
+            swap_linears(model, Int8PackedLinear, (Linear, nn.Linear))
             return model.eval()
         if self.precision == "bf16":
             model = model.to(torch.bfloat16)  # once, instead of autocast casting at every step

@@ -131,7 +131,6 @@ class PackedLinear(nn.Module):
 
 
 INT8_MIN_ROWS = 128  # fewer rows: the bf16 product, as quantizing the activations costs more than it saves
-INT8_MIN_WIDENING = 2  # int8 only for layers at least this many times wider than their input (see Int8PackedLinear)
 _ZERO_POINT_U8 = 128  # activations as unsigned bytes, 0 stored as 128 (the u8 x s8 products VNNI and AMX run)
 
 
@@ -142,11 +141,12 @@ class Int8PackedLinear(nn.Module):
     For CPUs with native bf16 and VNNI or AMX int8 instructions (``CpuCapabilities.onednn_int8``), where an int8
     product runs about twice as fast as a bf16 one: everything but the matrix products (attention over the cache,
     layer norms, the scores) stays in bf16, as CTranslate2's int8 runs next to float32. Quantizing the activations
-    is a pass over the input of its own (min/max, then scale and round), so it pays only where the product has
-    much more work than its input has elements: layers at least ``INT8_MIN_WIDENING`` times wider than their
-    input (the output projection to the vocabulary, the feed-forward's first layer, the fused query/key/value
-    projection) on at least ``INT8_MIN_ROWS`` rows (benchmarks/kernel_choices.py; docs/results.md). Smaller
-    products run the bf16 packed weight. ``relu=True`` applies the ReLU inside the product.
+    is a pass over the input of its own (min/max, then scale and round), which costs more than the int8 product
+    saves on fewer than ``INT8_MIN_ROWS`` rows: those run the bf16 packed weight. On more rows every product gains,
+    the most where the output is much wider than the input (the output projection to the vocabulary, the
+    feed-forward's first layer: 1.5-1.7x the bf16 product, the quantization included), the least where it is as
+    wide or narrower (1.1-1.2x) (benchmarks/kernel_choices.py; docs/results.md). ``relu=True`` applies the ReLU
+    inside the product.
     """
 
     def __init__(self, linear: nn.Linear):
@@ -183,7 +183,3 @@ def quantize_u8(x: Tensor) -> tuple[Tensor, Tensor]:
     q = q.to(torch.int32).to(torch.uint8)  # float -> uint8 directly is unvectorized: ~3x slower
     return q, torch.tensor(scale)
 
-
-def int8_pays(linear: nn.Linear) -> bool:
-    """Whether a layer gets int8 weights in a bf16 model (see :class:`Int8PackedLinear`)."""
-    return linear.out_features >= INT8_MIN_WIDENING * linear.in_features
