@@ -55,7 +55,9 @@ HERE = Path(__file__).resolve().parent
 EXPORT = ("import sys; sys.path.insert(0, sys.argv[1]); from attnmt import checkpoint; "
           "from attnmt.interop.{module} import {function}; {function}(checkpoint.load(checkpoint.resolve(sys.argv[2])), "
           "sys.argv[3])")
-MODES = ("fp32", "bf16", "int8", "int8-fp32")  # int8: activations as --precision auto picks them; int8-fp32: fp32
+# each mode's --precision and --quantize; int8: activations as --precision auto picks them, int8-fp32: fp32 ones
+MODE_SETTINGS = {"fp32": ("fp32", "none"), "bf16": ("bf16", "none"), "int8": ("auto", "int8"), "int8-fp32": ("fp32", "int8")}
+MODES = tuple(MODE_SETTINGS)
 CT2_TYPES = {"int8": "int8", "fp32": "float32", "float32": "float32", "bf16": "bfloat16", "int8_bf16": "int8_bfloat16"}
 
 
@@ -170,9 +172,9 @@ def worker(args) -> dict:
     mode = args.worker
     search_cfg = SearchConfig(beam=args.beam, lenpen=args.lenpen, max_len_a=args.max_len_a, max_len_b=args.max_len_b,
                               options=BeamSearchConfig(early_stop=args.worker_early_stop))
-    precision = {"fp32": "fp32", "bf16": "bf16", "int8": "auto", "int8-fp32": "fp32"}[mode]
+    precision, quantize = MODE_SETTINGS[mode]
     gen_cfg = GenerationConfig(max_tokens=args.max_tokens, device="cpu", precision=precision,
-                               quantize="none" if mode in ("fp32", "bf16") else "int8", threads=args.threads,
+                               quantize=quantize, threads=args.threads,
                                workers=args.worker_processes)
     t0 = time.perf_counter()
     bundle, generator = load_generator(args.path, search_cfg, gen_cfg)

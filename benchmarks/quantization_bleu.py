@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generate_speed import MODES, load_data  # noqa: E402  (the same data loading and mode names)
+from generate_speed import MODE_SETTINGS, MODES, load_data  # noqa: E402  (the same data loading and mode names)
 
 
 def parse_args(argv=None):
@@ -54,8 +55,6 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    import os
-
     import sacrebleu
 
     from attnmt.backends import configure_process
@@ -69,8 +68,7 @@ def main(argv=None) -> None:
     search_cfg = SearchConfig(beam=args.beam, lenpen=args.lenpen, options=BeamSearchConfig(early_stop=args.early_stop))
     bleu: dict[tuple[str, str, str], float] = {}
     for mode in args.modes:
-        precision = {"fp32": "fp32", "bf16": "bf16", "int8": "auto", "int8-fp32": "fp32"}[mode]
-        quantize = "int8" if mode.startswith("int8") else "none"
+        precision, quantize = MODE_SETTINGS[mode]
         for batching in args.batchings:
             workers = int(batching[1:]) if batching.startswith("w") else 1
             max_tokens = 0 if workers > 1 else int(batching)  # 0: the backend's default batch
