@@ -1,6 +1,6 @@
 """The measurements behind the CPU backend's kernel choices, on this machine (medians of repeated runs, in ms).
 
-    python benchmarks/kernel_choices.py [--threads 2] [--only linear,attention,cache,int8,blockmax]
+    python benchmarks/kernel_choices.py [--threads 2] [--only linear,attention,cache,int8,quantize,blockmax]
 
 * linear:    nn.Linear + ReLU against oneDNN's inner product with bias and ReLU fused, with the weight packed
              once (PackedLinear) and not; fp32, and bf16 where the CPU runs it natively (backends/onednn.py,
@@ -11,6 +11,9 @@
 * int8:      a decoding step's products with int8 weights and activations quantized on the fly (oneDNN, bf16
              out; the quantization included) against the bf16 packed product, by shape (backends/onednn.py
              Int8PackedLinear, INT8_MIN_ROWS); where the CPU has native bf16 and int8.
+* quantize:  activations to unsigned bytes for the int8 products: the arithmetic as tensor operations (float
+             copy, scale, shift, round, two conversions) against ``torch.quantize_per_tensor``'s single pass, by
+             shape (backends/onednn.py ``quantize_u8``).
 * blockmax:  the maxima of 64-token blocks of bf16 log-probabilities: ``amax`` against the integer scan on the
              bit patterns (generation/search.py ``_block_maxima``).
 
@@ -79,6 +82,27 @@ def int8() -> None:
     onednn.INT8_MIN_ROWS = threshold
 
 
+def quantize() -> None:
+    from attnmt.backends import configure_process
+    from attnmt.backends.onednn import quantize_u8
+
+    configure_process("generate", "cpu")
+
+    def arithmetic(x):  # the same quantization as five tensor operations, rounding halves upwards
+        lo, hi = torch.aminmax(x)
+        scale = max(float(torch.maximum(-lo, hi)), 1e-30) / 127
+        return x.float().mul_(1 / scale).add_(128.5).to(torch.int32).to(torch.uint8), scale
+
+    # (rows, width) of transformer_small's product inputs: a decoding step's (256 sentences x beam 4) model-wide
+    # and feed-forward-wide inputs, and an encoder batch's (8,192 tokens)
+    for m, k in ((1024, 256), (1024, 1024), (8192, 256), (8192, 1024)):
+        x = torch.randn(m, k).bfloat16()
+        t_old, t_new = timed(lambda x=x: arithmetic(x)), timed(lambda x=x: quantize_u8(x))
+        assert int((arithmetic(x)[0].int() - quantize_u8(x)[0].int()).abs().max()) <= 1  # ties only
+        print(f"quantize bf16 ({m}x{k}) to bytes: tensor arithmetic {t_old:.3f} ms, quantize_per_tensor "
+              f"{t_new:.3f} ms ({t_old / t_new:.2f}x)")
+
+
 def attention(dtype: torch.dtype) -> None:
     from attnmt.models.transformer import plain_attention
 
@@ -127,7 +151,7 @@ def blockmax() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--only", default="linear,attention,cache,int8,blockmax")
+    ap.add_argument("--only", default="linear,attention,cache,int8,quantize,blockmax")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -145,6 +169,8 @@ def main() -> None:
         cache(dtype)
     if "int8" in only and caps.onednn_int8:
         int8()
+    if "quantize" in only and caps.onednn_int8:
+        quantize()
     if "blockmax" in only:
         blockmax()
 

@@ -18,6 +18,8 @@ can change its rounding but not its value.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -132,6 +134,10 @@ class PackedLinear(nn.Module):
 
 INT8_MIN_ROWS = 128  # fewer rows: the bf16 product, as quantizing the activations costs more than it saves
 _ZERO_POINT_U8 = 128  # activations as unsigned bytes, 0 stored as 128 (the u8 x s8 products VNNI and AMX run)
+QUANTIZE_BLOCK = 1 << 20  # elements quantized at a time: a 4 MB float32 copy
+# torch 2.x warns (once per process) that quantized tensor types are deprecated in favour of torchao; quantize_u8
+# only borrows their quantization kernel for an instant, so the warning would tell the user nothing
+warnings.filterwarnings("ignore", message=r"torch\.quantize_per_tensor", category=UserWarning)
 
 
 class Int8PackedLinear(nn.Module):
@@ -174,12 +180,30 @@ class Int8PackedLinear(nn.Module):
 
 
 def quantize_u8(x: Tensor) -> tuple[Tensor, Tensor]:
-    """(x / scale + 128 rounded to unsigned bytes, scale) with one scale for the whole tensor: its largest
-    magnitude maps to 127 (symmetric, so 0 stays exact). Computed in float32: bf16 cannot hold x / scale + 128
-    to the unit."""
+    """(x / scale rounded to the nearest integer, ties to even, + 128 as unsigned bytes, scale) with one scale for
+    the whole tensor: its largest magnitude maps to 127 (symmetric, so 0 stays exact).
+
+    ``torch.quantize_per_tensor`` scales, rounds and stores in one vectorized pass, in float32 (bf16 cannot hold
+    x / scale + 128 to the unit), where the same arithmetic as tensor operations takes five passes: 2-2.5x the
+    time (benchmarks/kernel_choices.py). Its bytes are then read as a plain uint8 tensor, without a copy. Inputs of
+    more than ``QUANTIZE_BLOCK`` elements are converted in blocks of rows, so that no float32 copy of a whole
+    encoder batch is allocated: the allocator would map such a block afresh, and the kernel zero it, every time.
+    """
     lo, hi = torch.aminmax(x)
     scale = max(float(torch.maximum(-lo, hi)), 1e-30) / 127
-    q = x.float().mul_(1 / scale).add_(_ZERO_POINT_U8 + 0.5)  # + 0.5 then truncation: rounding
-    q = q.to(torch.int32).to(torch.uint8)  # float -> uint8 directly is unvectorized: ~3x slower
-    return q, torch.tensor(scale)
+    x2 = x.reshape(-1, x.size(-1))
+    rows = max(1, QUANTIZE_BLOCK // x2.size(1))
+    if x2.size(0) <= rows:
+        q = _bytes(torch.quantize_per_tensor(x2.float(), scale, _ZERO_POINT_U8, torch.quint8))
+    else:
+        q = torch.empty(x2.shape, dtype=torch.uint8)
+        for a in range(0, x2.size(0), rows):
+            q[a:a + rows] = _bytes(torch.quantize_per_tensor(x2[a:a + rows].float(), scale, _ZERO_POINT_U8,
+                                                             torch.quint8))
+    return q.view(x.shape), torch.tensor(scale)
 
+
+def _bytes(q: Tensor) -> Tensor:
+    """The unsigned bytes of a quint8 tensor as a uint8 tensor sharing its storage (``int_repr`` would copy them,
+    one element at a time)."""
+    return torch.empty(0, dtype=torch.uint8).set_(q.untyped_storage(), q.storage_offset(), q.shape, q.stride())

@@ -13,7 +13,7 @@ from conftest import NATIVE_BF16, needs_native_bf16, tiny_transformer
 from attnmt.backends import backend_for, capabilities, resolve_precision
 from attnmt.backends.base import Backend
 from attnmt.backends.cpu import CpuBackend, Int8Linear, padded_rows
-from attnmt.backends.onednn import INT8_MIN_ROWS, Int8PackedLinear, PackedLinear, quantize_u8
+from attnmt.backends.onednn import INT8_MIN_ROWS, QUANTIZE_BLOCK, Int8PackedLinear, PackedLinear, quantize_u8
 from attnmt.errors import UserError
 from attnmt.generation.generator import GenerationConfig
 from attnmt.models.linear import Linear
@@ -257,11 +257,16 @@ def test_int8_weights_leave_fbgemm_avx2_kernels_no_room_to_saturate():
 
 
 def test_activations_are_quantized_to_bytes_around_128():
-    x = torch.tensor([[-1.0, 0.0, 1.0, 0.5, -0.5, 0.25, -0.004]]).bfloat16()
+    x = torch.tensor([[-1.0, 0.0, 1.0, 0.5, -0.5, 0.25, -0.004, 0.75]]).bfloat16()
     q, scale = quantize_u8(x)
     assert float(scale) == pytest.approx(1 / 127)
-    # x / scale rounded to the nearest integer (halves upwards), stored as 128 + that
-    assert q.tolist() == [[1, 128, 255, 192, 65, 160, 127]]
+    # x / scale rounded to the nearest integer (ties to even: 63.5 -> 64, -63.5 -> -64, 95.25 -> 95), stored as
+    # 128 + that
+    assert q.tolist() == [[1, 128, 255, 192, 64, 160, 127, 223]]
+    big = torch.randn(3 * QUANTIZE_BLOCK // 256 + 5, 256).bfloat16()  # quantized in blocks of rows, one scale
+    qb, scale = quantize_u8(big)
+    expected = torch.round(big.float() / float(scale)).add(128).to(torch.uint8)
+    assert torch.equal(qb, expected) and float(scale) == pytest.approx(float(big.abs().max()) / 127)
     assert quantize_u8(torch.zeros(2, 3))[0].eq(128).all()  # an all-zero input gets a finite scale
 
 
