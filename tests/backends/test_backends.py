@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from conftest import NATIVE_BF16, needs_native_bf16, tiny_transformer
 
 from attnmt.backends import backend_for, capabilities, resolve_precision
+from attnmt.backends import onednn as onednn_module
 from attnmt.backends.base import Backend
 from attnmt.backends.cpu import CpuBackend, Int8Linear, padded_rows
 from attnmt.backends.onednn import INT8_MIN_ROWS, QUANTIZE_BLOCK, Int8PackedLinear, PackedLinear, quantize_u8
@@ -263,11 +264,18 @@ def test_activations_are_quantized_to_bytes_around_128():
     # x / scale rounded to the nearest integer (ties to even: 63.5 -> 64, -63.5 -> -64, 95.25 -> 95), stored as
     # 128 + that
     assert q.tolist() == [[1, 128, 255, 192, 64, 160, 127, 223]]
-    big = torch.randn(3 * QUANTIZE_BLOCK // 256 + 5, 256).bfloat16()  # quantized in blocks of rows, one scale
-    qb, scale = quantize_u8(big)
-    expected = torch.round(big.float() / float(scale)).add(128).to(torch.uint8)
-    assert torch.equal(qb, expected) and float(scale) == pytest.approx(float(big.abs().max()) / 127)
     assert quantize_u8(torch.zeros(2, 3))[0].eq(128).all()  # an all-zero input gets a finite scale
+
+
+def test_large_activations_are_quantized_in_blocks_of_rows_with_one_scale(monkeypatch):
+    big = torch.randn(3 * QUANTIZE_BLOCK // 256 + 5, 256, generator=torch.Generator().manual_seed(0)).bfloat16()
+    blocked, scale = quantize_u8(big)
+    monkeypatch.setattr(onednn_module, "QUANTIZE_BLOCK", big.numel())
+    whole, whole_scale = quantize_u8(big)
+    assert torch.equal(blocked, whole) and float(scale) == float(whole_scale)
+    assert float(scale) == pytest.approx(float(big.abs().max()) / 127)
+    nearest = (big.float() / float(scale)).round() + 128  # the kernel may round a tie the other way
+    assert float((blocked.float() - nearest).abs().max()) <= 1 and float((blocked.float() != nearest).float().mean()) < 1e-4
 
 
 needs_onednn_int8 = pytest.mark.skipif(not capabilities.cpu().onednn_int8,
