@@ -185,9 +185,10 @@ def quantize_u8(x: Tensor) -> tuple[Tensor, Tensor]:
 
     ``torch.quantize_per_tensor`` scales, rounds and stores in one vectorized pass, in float32 (bf16 cannot hold
     x / scale + 128 to the unit), where the same arithmetic as tensor operations takes five passes: 1.3-1.8x the
-    time on a decoding step's inputs (benchmarks/kernel_choices.py). Its bytes are then read as a plain uint8 tensor, without a copy. Inputs of
-    more than ``QUANTIZE_BLOCK`` elements are converted in blocks of rows, so that no float32 copy of a whole
-    encoder batch is allocated: the allocator would map such a block afresh, and the kernel zero it, every time.
+    time on a decoding step's inputs (benchmarks/kernel_choices.py). Its bytes are then read as a plain uint8
+    tensor, without a copy. Inputs of more than ``QUANTIZE_BLOCK`` elements are converted in blocks of rows, so
+    that no float32 copy of a whole encoder batch is allocated: the allocator would map such a block afresh, and
+    the kernel zero it, every time.
     """
     lo, hi = torch.aminmax(x)
     scale = max(float(torch.maximum(-lo, hi)), 1e-30) / 127
