@@ -82,10 +82,11 @@ def make_batches(lengths: Sequence[int], max_tokens: int | None, batch_size: int
     ``max_tokens`` (a longer single sentence still gets a batch of its own) and ``batch_size``.
 
     ``workers``: the batches are translated by this many processes side by side, each taking the next. Cut at
-    ``max_tokens``, the last batch is a remainder, often small, that one worker translates while the others wait;
-    so the number of batches is rounded up to a multiple of ``workers`` and the token budget lowered to the
-    smallest that still gives no more batches than that: batches of about equal size, taken when the workers
-    would then finish sooner (padded tokens standing for the time a batch takes).
+    ``max_tokens``, the last batch is a remainder, often small, that one worker translates while the others wait
+    (also when the number of batches is a multiple of ``workers``: 6,120 + 6,132 padded tokens for one worker,
+    6,137 + 531 for the other); so the number of batches is rounded up to a multiple of ``workers`` and the token
+    budget lowered to the smallest that still gives no more batches than that: batches of about equal size, taken
+    when the workers would then finish sooner (padded tokens standing for the time a batch takes).
     """
     order = np.asarray(sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)), dtype=np.int64)
     if max_tokens is None and batch_size is None:
@@ -96,7 +97,7 @@ def make_batches(lengths: Sequence[int], max_tokens: int | None, batch_size: int
         return batch_by_size(order, sizes, budget, batch_size, oversized_alone=True)
 
     batches = cut(max_tokens)
-    if workers > 1 and max_tokens is not None and len(batches) % workers:
+    if workers > 1 and max_tokens is not None and len(batches) > 1:  # a multiple of workers may still end small
         target = -(-len(batches) // workers) * workers
         lo, hi = 1, max_tokens  # fewer tokens never give fewer batches: the smallest budget giving <= target
         while lo < hi:

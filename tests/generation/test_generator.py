@@ -203,6 +203,10 @@ def test_make_batches_for_workers_finish_together():
     assert make_batches(lengths, 30, None, workers=3) == make_batches(lengths, 30, None)  # 3 batches already
     # 4 + 4 + 1 at 40 tokens takes 5 units on 2 workers; its even cut, 3 + 3 + 3, would take 6: kept as it is
     assert make_batches([10] * 9, 40, None, workers=2) == make_batches([10] * 9, 40, None)
+    # 4 batches for 2 workers, yet uneven: 6 | 5 | 4 + 3 (8 padded) | 2 keeps one worker 5 + 8 = 13 units, the
+    # other 6 + 2; cut at 6 tokens, 6 | 5 | 4 | 3 + 2 (6) takes 6 + 6 = 12 and 5 + 4
+    assert make_batches([6, 5, 4, 3, 2], 8, None) == [[0], [1], [2, 3], [4]]
+    assert make_batches([6, 5, 4, 3, 2], 8, None, workers=2) == [[0], [1], [2], [3, 4]]
     lengths = [5, 1, 9, 3, 3, 7, 2, 20, 4, 6, 8]
     for workers in (2, 3, 4):
         batches = make_batches(lengths, 12, 3, workers)
