@@ -14,6 +14,8 @@ What it decides, once per run (see ``capabilities.py`` for how the CPU is detect
 * **Attention.** For sentence-length sequences the plain matmul-softmax-matmul is faster on the CPU than PyTorch's
   fused "flash" kernel, whose advantage starts at several hundred tokens (benchmarks/kernel_choices.py; figures per CPU in docs/results.md): "auto" runs the plain form up
   to :data:`PLAIN_ATTENTION_MAX_LEN` tokens.
+* **Dropout masks.** Training draws dropout masks from raw random bits, one integer pass per mask, instead of
+  ``bernoulli_`` (a float per element) and two more passes (``attnmt/models/dropout.py``; ``DropoutKernel``).
 * **Decoder row counts.** oneDNN compiles a kernel, and keeps it with its buffers, for every matrix shape it
   meets; as sentences leave a batch the decoder's row count changes almost every step. :meth:`decoding_kernels`
   pads them to a few sizes (:func:`padded_rows`).
@@ -43,7 +45,7 @@ from torch import Tensor, nn
 from attnmt.backends import capabilities
 from attnmt.backends.base import Backend, DecodingKernels, Mode, swap_linears
 from attnmt.errors import UserError
-from attnmt.models.linear import Linear, set_plain_attention_max_len
+from attnmt.models.linear import Linear, set_plain_attention_max_len, set_random_bit_dropout
 
 PLAIN_ATTENTION_MAX_LEN = 256
 ONEDNN_CACHE_CAPACITY = 4096
@@ -130,6 +132,7 @@ class CpuBackend(Backend):
         if attention not in limits:
             raise ValueError(f"unknown attention choice {attention!r}: use auto, math or flash")
         set_plain_attention_max_len(model, limits[attention])
+        set_random_bit_dropout(model, True)
         from attnmt.backends.onednn import TrainingLinear
 
         if self.precision == "bf16" and self.caps.fused_linear:

@@ -11,7 +11,8 @@ two more passes; in a bf16 training step of the small Transformer that was about
   unbiased;
 * ``x + dropout(y)``, the residual connection, is one ``addcmul`` (forward) and one multiply (backward).
 
-On other devices, in other dtypes, or with ``p == 0`` these fall back to ``torch.nn.functional.dropout``.
+The backend chooses these masks (``DropoutKernel.random_bit_dropout``, set by the CPU backend for training);
+without that choice, in other dtypes, or with ``p == 0`` these fall back to ``torch.nn.functional.dropout``.
 Each call draws fresh random numbers from the global generator, so seeded runs (and resumed runs, which restore
 the generator) are reproducible.
 """
@@ -22,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnmt.models.linear import DropoutKernel
+
 # activation dtype -> (integer dtype of the same width, bit pattern of 1.0 in that dtype, value bits of a lane)
 _LANES = {
     torch.bfloat16: (torch.int16, 0x3F80, 15),
@@ -30,8 +33,8 @@ _LANES = {
 }
 
 
-def _fast(t: Tensor, p: float) -> bool:
-    if t.device.type != "cpu" or t.dtype not in _LANES:
+def _fast(t: Tensor, p: float, random_bits: bool) -> bool:
+    if not random_bits or t.dtype not in _LANES:
         return False
     value_bits = _LANES[t.dtype][2]
     return 0 < round(p * 2**value_bits) < 2**value_bits
@@ -88,25 +91,25 @@ class _DropoutAdd(torch.autograd.Function):
         return grad.to(ctx.x_dtype), grad_y, None
 
 
-def dropout(y: Tensor, p: float, training: bool) -> Tensor:
-    """``F.dropout(y, p, training)`` with the cheap CPU mask."""
+def dropout(y: Tensor, p: float, training: bool, random_bits: bool = False) -> Tensor:
+    """``F.dropout(y, p, training)``, with the mask from raw random bits when ``random_bits``."""
     if not training or p == 0.0:
         return y
-    if _fast(y, p):
+    if _fast(y, p, random_bits):
         return _Dropout.apply(y, p)
     return F.dropout(y, p, True)
 
 
-def dropout_add(x: Tensor, y: Tensor, p: float, training: bool) -> Tensor:
-    """``x + F.dropout(y, p, training)``, fused on the CPU."""
+def dropout_add(x: Tensor, y: Tensor, p: float, training: bool, random_bits: bool = False) -> Tensor:
+    """``x + F.dropout(y, p, training)``; with ``random_bits``, one fused pass and the mask from raw random bits."""
     if not training or p == 0.0:
         return x + y
-    if _fast(y, p):
+    if _fast(y, p, random_bits):
         return _DropoutAdd.apply(x, y, p)
     return x + F.dropout(y, p, True)
 
 
-class Dropout(nn.Module):
+class Dropout(DropoutKernel, nn.Module):
     """Drop-in for ``nn.Dropout`` (no parameters or state, so checkpoints are unchanged) with :meth:`add`."""
 
     def __init__(self, p: float):
@@ -114,11 +117,11 @@ class Dropout(nn.Module):
         self.p = p
 
     def forward(self, y: Tensor) -> Tensor:
-        return dropout(y, self.p, self.training)
+        return dropout(y, self.p, self.training, self.random_bit_dropout)
 
     def add(self, x: Tensor, y: Tensor) -> Tensor:
         """``x + self(y)``: the residual connection around a sub-layer."""
-        return dropout_add(x, y, self.p, self.training)
+        return dropout_add(x, y, self.p, self.training, self.random_bit_dropout)
 
     def extra_repr(self) -> str:
         return f"p={self.p}"

@@ -1,4 +1,4 @@
-"""The two places where a backend (``attnmt/backends``) may tune the model, as explicit contracts.
+"""The three places where a backend (``attnmt/backends``) may tune the model, as explicit contracts.
 
 * :class:`Linear`: ``nn.Linear`` whose forward can also apply the ReLU that follows it, ``forward(x, relu=False)``.
   Every linear layer of the Transformer keeps this contract; the model is written with this plain version, and a
@@ -7,6 +7,9 @@
 * :class:`AttentionKernel`: attention modules choose between ``scaled_dot_product_attention`` and the plain
   matmul-softmax-matmul by the sequence length; the backend sets the length up to which the plain form runs
   (:func:`set_plain_attention_max_len`).
+* :class:`DropoutKernel`: modules that drop activations in training draw their masks either with
+  ``torch.nn.functional.dropout`` (the default: a GPU's fused kernel) or from raw random bits
+  (``models/dropout.py``: several times cheaper on the CPU); the backend chooses (:func:`set_random_bit_dropout`).
 
 The model never asks which device it runs on.
 """
@@ -40,3 +43,17 @@ def set_plain_attention_max_len(model: nn.Module, n: int) -> None:
     for m in model.modules():
         if isinstance(m, AttentionKernel):
             m.plain_attention_max_len = n
+
+
+class DropoutKernel:
+    """Mixin of modules with dropout: with ``random_bit_dropout`` (the backend's choice) their masks come from raw
+    random bits (:func:`attnmt.models.dropout.keep_mask`), else from ``torch.nn.functional.dropout``."""
+
+    random_bit_dropout: bool = False
+
+
+def set_random_bit_dropout(model: nn.Module, on: bool) -> None:
+    """Choose the dropout masks of every module of ``model`` that has dropout."""
+    for m in model.modules():
+        if isinstance(m, DropoutKernel):
+            m.random_bit_dropout = on

@@ -37,7 +37,7 @@ from attnmt.models.dropout import Dropout
 from attnmt.models.dropout import dropout as dropout_weights
 from attnmt.models.incremental import SlotCache
 from attnmt.models.interface import DecoderCache, DecodingKernels, EncoderDecoderModel, LayerCache
-from attnmt.models.linear import AttentionKernel, Linear
+from attnmt.models.linear import AttentionKernel, DropoutKernel, Linear
 from attnmt.registry import register, register_arch
 
 # ------------------------------------------------------------------------------------------------ config
@@ -305,7 +305,7 @@ def key_padding_mask(padding_mask: Tensor) -> Tensor | None:
     return attend[:, None, None, :]  # (B, 1, 1, S): broadcast over heads and queries
 
 
-class MultiHeadAttention(AttentionKernel, nn.Module):
+class MultiHeadAttention(AttentionKernel, DropoutKernel, nn.Module):
     """Multi-head attention (3.2.2) over scaled dot-product attention (3.2.1).
 
     ``softmax(Q K^T / sqrt(d_k)) V`` is ``F.scaled_dot_product_attention``, which picks a fused kernel and applies
@@ -362,7 +362,7 @@ class MultiHeadAttention(AttentionKernel, nn.Module):
         """Concat(head_1..head_h) W^O with head_i = Attention(Q_i, K_i, V_i). Returns (B, T, D)."""
         dropout_p = self.dropout if self.training else 0.0
         if self.use_plain_attention(q.size(-2), k.size(-2)) and (mask is None or mask.dtype == torch.bool):
-            out = plain_attention(q, k, v, mask, is_causal, dropout_p)  # (B, H, T, Dh)
+            out = plain_attention(q, k, v, mask, is_causal, dropout_p, self.random_bit_dropout)  # (B, H, T, Dh)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                                  dropout_p=dropout_p)  # (B, H, T, Dh)
@@ -384,14 +384,15 @@ class MultiHeadAttention(AttentionKernel, nn.Module):
 
 
 def plain_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
-                    dropout_p: float) -> Tensor:
+                    dropout_p: float, random_bit_dropout: bool = False) -> Tensor:
     """softmax(Q K^T / sqrt(d_k)) V (3.2.1) as matmul, softmax, matmul in the inputs' dtype; (B, H, T, Dh).
 
     ``mask`` (broadcastable to (B, H, T, S), True = attend) or ``is_causal`` as in SDPA; ``dropout_p`` drops
-    attention weights. Under bf16 the products accumulate in fp32 and softmax computes in fp32 internally.
+    attention weights (masks from raw random bits with ``random_bit_dropout``: ``DropoutKernel``). Under bf16 the
+    products accumulate in fp32 and softmax computes in fp32 internally.
     """
     weights = torch.softmax(attention_scores(q, k, mask, is_causal), dim=-1)
-    return torch.matmul(dropout_weights(weights, dropout_p, dropout_p > 0.0), v)
+    return torch.matmul(dropout_weights(weights, dropout_p, dropout_p > 0.0, random_bit_dropout), v)
 
 
 def attention_scores(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:

@@ -89,6 +89,23 @@ def test_fp32_training_layers_and_attention_kernel(cpu_env):
     assert model.state_dict().keys() == before.keys()
 
 
+def test_cpu_training_draws_dropout_masks_from_random_bits_and_cuda_keeps_f_dropout():
+    from attnmt.backends.cuda import CudaBackend
+    from attnmt.models.dropout import Dropout
+    from attnmt.models.linear import DropoutKernel
+    from attnmt.models.transformer import MultiHeadAttention
+
+    model = _model()
+    sites = [m for m in model.modules() if isinstance(m, DropoutKernel)]
+    # every dropout of the model: embeddings, residuals, feed-forward activations and attention weights
+    assert any(isinstance(m, MultiHeadAttention) for m in sites) and any(isinstance(m, Dropout) for m in sites)
+    assert not any(m.random_bit_dropout for m in sites)  # the model alone: F.dropout
+    CudaBackend(torch.device("cuda"), "fp32").prepare_training(model)
+    assert not any(m.random_bit_dropout for m in sites)
+    CpuBackend(CPU, "fp32").prepare_training(model)
+    assert all(m.random_bit_dropout for m in sites)
+
+
 def test_plain_and_fused_attention_kernels_give_the_same_model_output():
     model = _model().eval()
     src, lengths, prev = _inputs()

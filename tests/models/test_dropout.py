@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from attnmt.models import dropout as D
 
@@ -24,7 +25,7 @@ def test_dropout_add_forward_and_backward_follow_the_mask(dtype):
     y = torch.randn(5, 7, 16, dtype=dtype, requires_grad=True)
     g = torch.randn(5, 7, 16, dtype=dtype)
     torch.manual_seed(2)
-    out = D.dropout_add(x, y, 0.3, training=True)
+    out = D.dropout_add(x, y, 0.3, training=True, random_bits=True)
     out.backward(g)
     torch.manual_seed(2)
     mask, scale = D.keep_mask(y, 0.3)  # the same random bits
@@ -39,6 +40,7 @@ def test_dropout_add_forward_and_backward_follow_the_mask(dtype):
 def test_dropout_is_identity_in_eval_and_unbiased_in_training():
     x = torch.ones(200_000)
     layer = D.Dropout(0.3)
+    layer.random_bit_dropout = True
     layer.eval()
     assert layer(x) is x and torch.equal(layer.add(x, x), 2 * x)
     layer.train()
@@ -52,5 +54,24 @@ def test_dropout_is_identity_in_eval_and_unbiased_in_training():
 def test_dropout_falls_back_for_other_dtypes():
     torch.manual_seed(4)
     x = torch.ones(1000, dtype=torch.float64)
-    out = D.dropout(x, 0.5, training=True)
+    out = D.dropout(x, 0.5, training=True, random_bits=True)
     assert out.dtype == torch.float64 and set(out.unique().tolist()) == {0.0, 2.0}
+
+
+@pytest.mark.parametrize("random_bits", [False, True])
+def test_dropout_module_masks_are_the_backends_choice(random_bits):
+    """Without the backend's choice a Dropout is F.dropout, draw for draw; with it, the random-bit mask."""
+    layer = D.Dropout(0.3)
+    layer.random_bit_dropout = random_bits
+    x, y = torch.randn(64, 32), torch.randn(64, 32)
+    torch.manual_seed(5)
+    out, out_add = layer(y), layer.add(x, y)
+    torch.manual_seed(5)
+    if random_bits:
+        mask, scale = D.keep_mask(y, 0.3)
+        ref = y * mask * scale
+        mask, scale = D.keep_mask(y, 0.3)
+        ref_add = x + y * mask * scale
+    else:
+        ref, ref_add = F.dropout(y, 0.3, True), x + F.dropout(y, 0.3, True)
+    assert torch.allclose(out, ref) and torch.allclose(out_add, ref_add)
