@@ -98,6 +98,14 @@ class CpuCapabilities:
         vnni = "avx512_vnni" in self.flags or "amx_int8" in self.flags
         return self.native_bf16 and self.onednn_avx512 and vnni and hasattr(torch.ops.onednn, "qlinear_pointwise")
 
+    @property
+    def onednn_qlinear(self) -> bool:
+        """oneDNN's int8 inner product (``torch.ops.onednn.qlinear_pointwise``) can run fp32 models' large int8
+        products (``cpu.Int8Linear``) on x86 CPUs with AVX2 or more (measured there), as the weights' width (7
+        bits without 32-bit accumulation) already keeps its AVX2 kernels from saturating."""
+        return self.onednn and "avx2" in self.flags and hasattr(torch.ops.onednn, "qlinear_pointwise") and hasattr(
+            torch.ops.onednn, "qlinear_prepack")
+
     def why_no_bf16(self) -> str:
         """Why bf16 is not native here, in a phrase (for error messages)."""
         if self.switched_off:

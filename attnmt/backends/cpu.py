@@ -48,6 +48,7 @@ from attnmt.errors import UserError
 from attnmt.models.linear import Linear, set_plain_attention_max_len, set_random_bit_dropout
 
 PLAIN_ATTENTION_MAX_LEN = 256
+INT8_ONEDNN_MIN_ROWS = 128  # int8 products of this many rows or more run oneDNN's kernel (Int8Linear)
 ONEDNN_CACHE_CAPACITY = 4096
 
 # mallopt parameters from glibc's <malloc.h>
@@ -83,18 +84,26 @@ def _mallopt(settings: list[tuple[int, int]]) -> bool:
 class Int8Linear(nn.Module):
     """Dynamic int8 quantization of a linear layer: int8 weights with one scale per output row (per-channel, more
     accurate than one scale per matrix at the same speed), activations quantized on the fly per product to all 8
-    bits (fbgemm); the model's linear contract, ``forward(x, relu=False)``, with the ReLU fused into the product.
+    bits; the model's linear contract, ``forward(x, relu=False)``, with the ReLU fused into the product.
+
+    Two kernels share the same int8 weights. fbgemm's (PyTorch's dynamic quantized linear layer) quantizes the
+    activations inside its product and costs little per call: it runs the decoding steps of a few sentences.
+    From ``onednn_rows`` rows on, oneDNN's int8 inner product (``torch.ops.onednn.qlinear_pointwise``) takes over,
+    its activations quantized over their range as fbgemm's (:func:`~attnmt.backends.onednn.quantize_u8_affine`):
+    it ran 1.1-1.2x fbgemm's products at 256-1024 rows, with or without VNNI, and whole searches 3-7% faster
+    (docs/results.md). ``onednn_rows=None`` keeps fbgemm's alone; the price of both is a second copy of the int8
+    weights.
 
     ``weight_bits``: 8 where the CPU accumulates the products in 32 bits (``CpuCapabilities.int8_full_range``), 7
-    elsewhere. fbgemm's AVX2 kernels add pairs of u8 x s8 products in 16 bits; with weights in [-64, 63] a pair
-    stays below 2 x 255 x 64 = 32,640 and cannot saturate. The bit is taken from the weights rather than from the
-    activations (PyTorch's ``reduce_range``): an activation's scale covers a whole batch, so its rounding error
-    is the larger, and on Multi30k 7-bit activations cost up to 0.25 BLEU where 7-bit weights cost none
-    (docs/results.md). torch 2.x marks ``torch.ao.quantization`` deprecated in favour of torchao but still ships
-    it; its warnings are silenced because the user asked for exactly this.
+    elsewhere. The AVX2 kernels of both libraries add pairs of u8 x s8 products in 16 bits; with weights in
+    [-64, 63] a pair stays below 2 x 255 x 64 = 32,640 and cannot saturate. The bit is taken from the weights
+    rather than from the activations (PyTorch's ``reduce_range``): an activation's scale covers a whole batch, so
+    its rounding error is the larger, and on Multi30k 7-bit activations cost up to 0.25 BLEU where 7-bit weights
+    cost none (docs/results.md). torch 2.x marks ``torch.ao.quantization`` deprecated in favour of torchao but
+    still ships it; its warnings are silenced because the user asked for exactly this.
     """
 
-    def __init__(self, linear: nn.Linear, weight_bits: int):
+    def __init__(self, linear: nn.Linear, weight_bits: int, onednn_rows: int | None = None):
         super().__init__()
         if weight_bits not in (7, 8):
             raise ValueError(f"weight_bits must be 7 or 8, got {weight_bits}")
@@ -112,8 +121,24 @@ class Int8Linear(nn.Module):
             self.inner = DynamicLinear.from_float(plain)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight_bits = weight_bits
+        self.onednn_rows = onednn_rows
+        if onednn_rows is not None:  # the same int8 weights, packed for oneDNN
+            qweight, bias = self.inner._packed_params._weight_bias()
+            self.onednn_weight = torch.ops.onednn.qlinear_prepack(qweight.int_repr(), None)
+            self.weight_scale = qweight.q_per_channel_scales().float()
+            self.weight_zero_point = torch.zeros(self.out_features, dtype=torch.int64)
+            self.onednn_bias = None if bias is None else bias.detach().float()
 
     def forward(self, x: Tensor, relu: bool = False) -> Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if self.onednn_rows is not None and x2.size(0) >= self.onednn_rows and x.dtype == torch.float32:
+            from attnmt.backends.onednn import quantize_u8_affine
+
+            qx, scale, zero_point = quantize_u8_affine(x2)
+            y = torch.ops.onednn.qlinear_pointwise.tensor(
+                qx, scale, zero_point, self.onednn_weight, self.weight_scale, self.weight_zero_point,
+                self.onednn_bias, 1.0, 0, torch.float32, "relu" if relu else "none", [], "")
+            return y.view(*x.shape[:-1], self.out_features)
         op = torch.ops.quantized.linear_relu_dynamic if relu else torch.ops.quantized.linear_dynamic
         return op(x, self.inner._packed_params._packed_params, False).to(x.dtype)  # False: 8-bit activations
 
@@ -150,7 +175,8 @@ class CpuBackend(Backend):
 
         if quantize == "int8" and self.precision == "fp32":
             bits = 8 if self.caps.int8_full_range else 7
-            swap_linears(model, lambda m: Int8Linear(m, bits), (Linear, nn.Linear))
+            rows = INT8_ONEDNN_MIN_ROWS if self.caps.onednn_qlinear else None
+            swap_linears(model, lambda m: Int8Linear(m, bits, rows), (Linear, nn.Linear))
             return model.eval()
         if quantize == "int8":  # bf16 activations: the products in int8, the rest as a bf16 model
             if not self.caps.onednn_int8:

@@ -204,6 +204,20 @@ def quantize_u8(x: Tensor) -> tuple[Tensor, Tensor]:
     return q.view(x.shape), torch.tensor(scale)
 
 
+def quantize_u8_affine(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Float32 ``x`` as unsigned bytes over its own range: (bytes, scale, zero point) with ``x ~ scale * (byte -
+    zero point)``, where [min(x, 0), max(x, 0)] spans the 256 values (fbgemm's dynamic quantization, which
+    :class:`~attnmt.backends.cpu.Int8Linear` matches on its oneDNN path). Against :func:`quantize_u8`'s symmetric
+    bytes this doubles the resolution of inputs of one sign, such as the ReLU output entering the feed-forward
+    layer's second product. One pass for the range, one to scale, round and store."""
+    lo, hi = torch.aminmax(x)
+    lo, hi = min(float(lo), 0.0), max(float(hi), 0.0)
+    scale = max(hi - lo, 1e-30) / 255
+    zero_point = min(255, max(0, round(-lo / scale)))
+    q = _bytes(torch.quantize_per_tensor(x.float(), scale, zero_point, torch.quint8))
+    return q, torch.tensor(scale), torch.tensor(zero_point)
+
+
 def _bytes(q: Tensor) -> Tensor:
     """The unsigned bytes of a quint8 tensor as a uint8 tensor sharing its storage (``int_repr`` would copy them,
     one element at a time)."""

@@ -13,8 +13,15 @@ from conftest import NATIVE_BF16, needs_native_bf16, tiny_transformer
 from attnmt.backends import backend_for, capabilities, resolve_precision
 from attnmt.backends import onednn as onednn_module
 from attnmt.backends.base import Backend
-from attnmt.backends.cpu import CpuBackend, Int8Linear, padded_rows
-from attnmt.backends.onednn import INT8_MIN_ROWS, QUANTIZE_BLOCK, Int8PackedLinear, PackedLinear, quantize_u8
+from attnmt.backends.cpu import INT8_ONEDNN_MIN_ROWS, CpuBackend, Int8Linear, padded_rows
+from attnmt.backends.onednn import (
+    INT8_MIN_ROWS,
+    QUANTIZE_BLOCK,
+    Int8PackedLinear,
+    PackedLinear,
+    quantize_u8,
+    quantize_u8_affine,
+)
 from attnmt.errors import UserError
 from attnmt.generation.generator import GenerationConfig
 from attnmt.models.linear import Linear
@@ -254,24 +261,60 @@ def test_int8_inference_quantizes_every_linear_and_stays_close():
     assert float((out - ref).abs().max() / ref.abs().max()) < 0.1
 
 
-def test_int8_weights_leave_fbgemm_avx2_kernels_no_room_to_saturate():
-    """Without 32-bit accumulation fbgemm adds pairs of u8 x s8 products in 16 bits: large positive activations
-    against large positive 8-bit weights overflow there (CI reruns this file with fbgemm capped at AVX2). The
-    backend's choice of weight width must give the fp32 product on any CPU."""
+needs_onednn_qlinear = pytest.mark.skipif(not capabilities.cpu().onednn_qlinear,
+                                          reason="oneDNN's int8 inner product is not available here")
+
+
+@pytest.mark.parametrize("kernel", ["fbgemm", pytest.param("onednn", marks=needs_onednn_qlinear)])
+def test_int8_weights_leave_avx2_kernels_no_room_to_saturate(kernel):
+    """Without 32-bit accumulation fbgemm and oneDNN add pairs of u8 x s8 products in 16 bits: large positive
+    activations against large positive 8-bit weights overflow there (CI reruns this file with both capped at
+    AVX2). The backend's choice of weight width must give the fp32 product on any CPU, through either kernel."""
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 32)
     with torch.no_grad():
         lin.weight.copy_(torch.rand(32, 64) * 0.5 + 0.5)
-    x = torch.rand(4, 64) * 0.5 + 0.5
+    x = torch.rand(INT8_ONEDNN_MIN_ROWS, 64) * 0.5 + 0.5
     bits = 8 if capabilities.cpu().int8_full_range else 7
     with torch.no_grad():
-        layer = Int8Linear(lin, bits)
+        layer = Int8Linear(lin, bits, INT8_ONEDNN_MIN_ROWS if kernel == "onednn" else None)
         w = layer.inner._packed_params._weight_bias()[0].int_repr()
         half = 1 << (bits - 1)
         assert -half <= int(w.min()) and int(w.max()) <= half - 1 <= int(w.abs().max())  # the whole range, no more
         assert float((layer(x) - lin(x)).abs().max() / lin(x).abs().max()) < 0.01
     with pytest.raises(ValueError, match="weight_bits must be 7 or 8"):
         Int8Linear(lin, 4)
+
+
+@needs_onednn_qlinear
+def test_int8_products_of_many_rows_run_onednn_and_few_rows_fbgemm():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 48)
+    bits = 8 if capabilities.cpu().int8_full_range else 7
+    with torch.no_grad():
+        both, fbgemm = Int8Linear(lin, bits, INT8_ONEDNN_MIN_ROWS), Int8Linear(lin, bits)
+        few = torch.randn(INT8_ONEDNN_MIN_ROWS - 1, 64)
+        assert torch.equal(both(few), fbgemm(few)) and torch.equal(both(few, relu=True), fbgemm(few, relu=True))
+        many = torch.randn(2, INT8_ONEDNN_MIN_ROWS, 64)  # rows counted over the leading dimensions
+        y, expected = both(many), lin(many)
+        assert y.shape == (2, INT8_ONEDNN_MIN_ROWS, 48) and not torch.equal(y, fbgemm(many))  # the other kernel
+        assert float((y - expected).abs().max() / expected.abs().max()) < 0.03
+        # both kernels quantize alike: the same bytes, the same weights; they differ by float rounding only
+        assert float((y - fbgemm(many)).abs().max() / expected.abs().max()) < 0.01
+        assert torch.equal(both(many, relu=True), F.relu(y))
+    model = CpuBackend(CPU, "fp32").prepare_inference(_model().eval(), "int8")
+    assert {m.onednn_rows for m in model.modules() if type(m) is Int8Linear} == {INT8_ONEDNN_MIN_ROWS}
+
+
+def test_affine_activation_bytes_span_the_inputs_range():
+    x = torch.tensor([[0.0, 0.5, 1.0, 2.55, 0.004, 0.006]])  # one sign (a ReLU's output): zero point 0
+    q, scale, zero = quantize_u8_affine(x)
+    assert float(scale) == pytest.approx(0.01) and int(zero) == 0
+    assert q.dtype == torch.uint8 and q.tolist() == [[0, 50, 100, 255, 0, 1]]
+    q, scale, zero = quantize_u8_affine(torch.tensor([-1.0, 0.0, 1.55]))  # both signs: 0 stays exact
+    assert float(scale) == pytest.approx(0.01) and int(zero) == 100 and q.tolist() == [0, 100, 255]
+    q, scale, zero = quantize_u8_affine(torch.zeros(3))  # an all-zero input gets a finite scale
+    assert q.tolist() == [int(zero)] * 3 and float(scale) > 0
 
 
 def test_activations_are_quantized_to_bytes_around_128():
