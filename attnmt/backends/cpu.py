@@ -5,7 +5,8 @@ What it decides, once per run (see ``capabilities.py`` for how the CPU is detect
 * **Linear layers.** bf16 training on a CPU with native bf16 swaps the model's linear layers for
   :class:`~attnmt.backends.onednn.TrainingLinear` (bias and ReLU inside oneDNN's product); bf16 inference
   casts the model once and packs its weights (:class:`~attnmt.backends.onednn.PackedLinear`); ``--quantize int8``
-  swaps them for dynamic int8 layers: with fp32 activations fbgemm's (:class:`Int8Linear`), with bf16 ones
+  swaps them for dynamic int8 layers: with fp32 activations :class:`Int8Linear` (fbgemm's product, oneDNN's
+  from ``INT8_ONEDNN_MIN_ROWS`` rows), with bf16 ones
   (``--precision auto`` on a CPU with native bf16) oneDNN's
   (:class:`~attnmt.backends.onednn.Int8PackedLinear`) in an otherwise bf16 model. fp32 runs its linear layers
   through oneDNN as well (fused bias + ReLU, backward products in oneDNN, prepacked weights for inference) on
