@@ -122,6 +122,7 @@ class Int8Linear(nn.Module):
             self.inner = DynamicLinear.from_float(plain)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight_bits = weight_bits
+        self.fbgemm_weight = self.inner._packed_params._packed_params  # read per call: no module lookups
         self.onednn_rows = onednn_rows
         if onednn_rows is not None:  # the same int8 weights, packed for oneDNN
             qweight, bias = self.inner._packed_params._weight_bias()
@@ -141,7 +142,7 @@ class Int8Linear(nn.Module):
                 self.onednn_bias, 1.0, 0, torch.float32, "relu" if relu else "none", [], "")
             return y.view(*x.shape[:-1], self.out_features)
         op = torch.ops.quantized.linear_relu_dynamic if relu else torch.ops.quantized.linear_dynamic
-        return op(x, self.inner._packed_params._packed_params, False).to(x.dtype)  # False: 8-bit activations
+        return op(x, self.fbgemm_weight, False).to(x.dtype)  # False: 8-bit activations
 
 
 class CpuBackend(Backend):
