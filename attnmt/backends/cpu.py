@@ -45,6 +45,7 @@ from torch import Tensor, nn
 
 from attnmt.backends import capabilities
 from attnmt.backends.base import Backend, DecodingKernels, Mode, swap_linears
+from attnmt.backends.onednn import quantize_u8_affine
 from attnmt.errors import UserError
 from attnmt.models.linear import Linear, set_plain_attention_max_len, set_random_bit_dropout
 
@@ -134,8 +135,6 @@ class Int8Linear(nn.Module):
     def forward(self, x: Tensor, relu: bool = False) -> Tensor:
         x2 = x.reshape(-1, self.in_features)
         if self.onednn_rows is not None and x2.size(0) >= self.onednn_rows and x.dtype == torch.float32:
-            from attnmt.backends.onednn import quantize_u8_affine
-
             qx, scale, zero_point = quantize_u8_affine(x2)
             y = torch.ops.onednn.qlinear_pointwise.tensor(
                 qx, scale, zero_point, self.onednn_weight, self.weight_scale, self.weight_zero_point,
