@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 
 BF16_SWITCH = "ATTNMT_CPU_BF16"
+# ONEDNN_MAX_CPU_ISA values that leave oneDNN no 32-bit int8 accumulation (AVX2_VNNI and up have it)
+_ONEDNN_CAPS_WITHOUT_VNNI = frozenset({"SSE41", "AVX", "AVX2", "AVX512_CORE"})
 
 
 @dataclass(frozen=True)
@@ -81,13 +83,15 @@ class CpuCapabilities:
 
     @property
     def int8_full_range(self) -> bool:
-        """fbgemm's int8 products accumulate in 32 bits (AVX-512 VNNI or AMX), so weights and activations can both
-        use all 8 bits. Without VNNI, fbgemm's AVX2 kernels add pairs of u8 x s8 products in 16 bits, which
-        saturate unless one side has 7 bits: the weights get them (``cpu.Int8Linear``).
-        ``FBGEMM_ENABLE_INSTRUCTIONS=AVX2`` (fbgemm's own cap) turns it off."""
-        cap = os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS", "").upper()
+        """The int8 products of ``cpu.Int8Linear`` (fbgemm's, and oneDNN's on many rows) accumulate in 32 bits
+        (AVX-512 VNNI or AMX), so weights and activations can both use all 8 bits. Without VNNI, the AVX2 kernels
+        of both add pairs of u8 x s8 products in 16 bits, which saturate unless one side has 7 bits: the weights
+        get them. ``FBGEMM_ENABLE_INSTRUCTIONS=AVX2`` (fbgemm's own cap) or an ``ONEDNN_MAX_CPU_ISA`` below VNNI
+        (oneDNN's) turns it off: either library's kernels then saturate on 8-bit weights."""
+        fbgemm_cap = os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS", "").upper()
+        onednn_cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
         vnni = "avx512_vnni" in self.flags or "amx_int8" in self.flags
-        return vnni and not cap.startswith(("AVX2", "SSE"))
+        return vnni and not fbgemm_cap.startswith(("AVX2", "SSE")) and onednn_cap not in _ONEDNN_CAPS_WITHOUT_VNNI
 
     @property
     def onednn_int8(self) -> bool:

@@ -4,6 +4,7 @@ in computing what the plain model computes."""
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -66,6 +67,24 @@ def test_onednn_isa_cap_turns_native_bf16_off():
     native, text = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                                              check=True).stdout)
     assert native is False and "no native bf16" in text
+
+
+def test_either_librarys_avx2_cap_takes_the_int8_weights_bit(monkeypatch):
+    """8-bit weights need 32-bit accumulation in fbgemm's kernels and in oneDNN's: capping either library below
+    VNNI must give ``Int8Linear`` 7-bit weights, or its products would saturate."""
+    vnni = capabilities.CpuCapabilities(name="test CPU", vendor="AuthenticAMD", isa="avx512",
+                                        flags=frozenset({"avx2", "avx512f", "avx512_vnni"}), onednn=True,
+                                        onednn_bf16=True, switched_off=False)
+    for name in ("FBGEMM_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    assert vnni.int8_full_range
+    assert not replace(vnni, flags=frozenset({"avx2", "avx512f"})).int8_full_range  # no VNNI
+    for name, cap, full in (("ONEDNN_MAX_CPU_ISA", "AVX2", False), ("ONEDNN_MAX_CPU_ISA", "avx512_core", False),
+                            ("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_VNNI", True), ("ONEDNN_MAX_CPU_ISA", "AVX2_VNNI", True),
+                            ("FBGEMM_ENABLE_INSTRUCTIONS", "AVX2", False)):
+        monkeypatch.setenv(name, cap)
+        assert vnni.int8_full_range is full, (name, cap)
+        monkeypatch.delenv(name)
 
 
 @pytest.mark.parametrize("relu", [False, True])
