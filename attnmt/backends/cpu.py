@@ -92,8 +92,8 @@ class Int8Linear(nn.Module):
     activations inside its product and costs little per call: it runs the decoding steps of a few sentences.
     From ``onednn_rows`` rows on, oneDNN's int8 inner product (``torch.ops.onednn.qlinear_pointwise``) takes over,
     its activations quantized over their range as fbgemm's (:func:`~attnmt.backends.onednn.quantize_u8_affine`):
-    it ran 1.1-1.2x fbgemm's products at 256-1024 rows, with or without VNNI, and whole searches 3-7% faster
-    (docs/results.md). ``onednn_rows=None`` keeps fbgemm's alone; the price of both is a second copy of the int8
+    1.1-1.2x fbgemm's speed on 1,024 rows and more, about even from 128 to 768, and whole searches 3-7% faster,
+    with or without VNNI (docs/results.md). ``onednn_rows=None`` keeps fbgemm's alone; the price of both is a second copy of the int8
     weights.
 
     ``weight_bits``: 8 where the CPU accumulates the products in 32 bits (``CpuCapabilities.int8_full_range``), 7
