@@ -133,9 +133,9 @@ class Int8Linear(nn.Module):
             self.onednn_bias = None if bias is None else bias.detach().float()
 
     def forward(self, x: Tensor, relu: bool = False) -> Tensor:
-        x2 = x.reshape(-1, self.in_features)
-        if self.onednn_rows is not None and x2.size(0) >= self.onednn_rows and x.dtype == torch.float32:
-            qx, scale, zero_point = quantize_u8_affine(x2)
+        rows = x.numel() // self.in_features
+        if self.onednn_rows is not None and rows >= self.onednn_rows and x.dtype == torch.float32:
+            qx, scale, zero_point = quantize_u8_affine(x.reshape(rows, self.in_features))
             y = torch.ops.onednn.qlinear_pointwise.tensor(
                 qx, scale, zero_point, self.onednn_weight, self.weight_scale, self.weight_zero_point,
                 self.onednn_bias, 1.0, 0, torch.float32, "relu" if relu else "none", [], "")
