@@ -195,7 +195,10 @@ class CpuBackend(Backend):
         return model
 
     def decoding_kernels(self) -> DecodingKernels:
-        return DecodingKernels(row_bucket=padded_rows, blockwise_topk=True, low_precision_scores=True)
+        from attnmt.backends import native
+
+        return DecodingKernels(row_bucket=padded_rows, blockwise_topk=True, low_precision_scores=True,
+                               step_attention=native.step_attention(self.caps.isa))
 
     def decoding_max_tokens(self) -> int:
         # a decoding step costs the same Python and kernel overhead whatever its row count: fewer, larger batches

@@ -34,7 +34,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from attnmt.models.interface import DecoderCache, LayerCache, RowBucket
+from attnmt.models.interface import DecoderCache, LayerCache, RowBucket, StepAttention, StepRows
 
 # compact the buffers once the live sentences are at most this fraction of the buffered ones
 COMPACT_FRACTION = 0.5
@@ -91,15 +91,20 @@ class SlotLayerCache(LayerCache):
 
         The queries attend to the whole buffer, the unwritten slots (fewer than ``CAPACITY_STEP`` positions)
         masked: a slice of it would not be one dense block per (sentence, head), which the batched matmul needs.
+        A backend's step kernel (one-token steps) writes the keys/values and reads each row's own slots instead.
         """
         c = self.owner
         padded = q.size(0)
         R, K, kc = c.rows, c.beam, c.call_beam  # the real rows come first; kc rows per sentence in this call
-        q, k, v = q[:R], k[:R], v[:R]
         _, H, T, Dh = q.shape
+        self._ensure_capacity(H, Dh, q)
+        kernel = c.step_kernel(q)
+        if kernel is not None:
+            ancestors = c.ancestors if K > 1 else None
+            return kernel.self_attention(q, k, v, self.k, self.v, c.step_rows(), c.length, ancestors, K // kc)
+        q, k, v = q[:R], k[:R], v[:R]
         A = R // kc
         end = c.length + T
-        self._ensure_capacity(H, Dh, q)
         for buf, new in ((self.k, k), (self.v, v)):
             dst = buf.view(c.buffered, H, c.capacity, K, Dh)[:, :, c.length:end, :kc]  # (N, H, T, kc, Dh)
             src = new.view(A, kc, H, T, Dh).permute(0, 2, 3, 1, 4)  # (A, H, T, kc, Dh)
@@ -114,9 +119,13 @@ class SlotLayerCache(LayerCache):
 
         ``project_kv(memory)`` gives the keys/values, computed on the first call for the buffered sentences.
         """
+        c = self.owner
         if self.cross_k is None:
             self.cross_k, self.cross_v = project_kv(memory)
-        return _pad(self.owner.attend(q[: self.owner.rows], self.cross_k, self.cross_v, "memory"), q.size(0))
+        kernel = c.step_kernel(q)
+        if kernel is not None:
+            return kernel.cross_attention(q, self.cross_k, self.cross_v, c.step_rows(), c.memory_keep())
+        return _pad(c.attend(q[: c.rows], self.cross_k, self.cross_v, "memory"), q.size(0))
 
     # -------------------------------------------------------------------------------- buffers
 
@@ -166,11 +175,12 @@ class SlotCache(DecoderCache):
     """
 
     def __init__(self, num_layers: int, beam: int = 1, row_bucket: RowBucket | None = None,
-                 fused_attention: bool = False):
+                 fused_attention: bool = False, step_attention: StepAttention | None = None):
         if beam < 1:
             raise ValueError(f"beam must be at least 1, got {beam}")
         self.row_bucket = row_bucket  # rows -> the row count a decoder call is padded to (None: no padding)
         self.fused_attention = fused_attention  # scaled_dot_product_attention instead of the plain products
+        self.step_attention = step_attention  # the backend's kernel for one-token steps, where it takes the queries
         self.layers: list[LayerCache] = [SlotLayerCache(self) for _ in range(num_layers)]
         self.length = 0
         self.beam = beam
@@ -182,7 +192,11 @@ class SlotCache(DecoderCache):
         self.ancestors: Tensor | None = None  # (R, capacity) int32: row j of the sentence holding position s
         self.memory_mask: Tensor | None = None  # (N, 1, 1, S) True=attend, or None when nothing is padded
         self.memory_mask_ready = False
-        self.self_mask: Tensor | None = None  # this call's self-attention mask over the buffers' slots
+        self._memory_keep: Tensor | None = None  # memory_mask as (N, S), contiguous (the step kernel's form)
+        self.new_tokens = 0  # positions given per row in this call
+        self.self_mask: Tensor | None = None  # this call's self-attention mask over the buffers' slots (on demand)
+        self._step_rows: StepRows | None = None
+        self._device = torch.device("cpu")  # of this call's inputs
         self._biases: dict[tuple[str, torch.dtype], Tensor | None] = {}  # the masks above, as additive biases
 
     # -------------------------------------------------------------------------------- per call
@@ -205,11 +219,13 @@ class SlotCache(DecoderCache):
         self.buffered = buffered
         self.memory_mask = memory_mask
         self.memory_mask_ready = True
+        self._memory_keep = None
         self._biases.pop(("memory", torch.float32), None)
         self._biases.pop(("memory", torch.bfloat16), None)
 
     def begin(self, rows: int, new_tokens: int, device: torch.device) -> None:
-        """Prepare a decoder call of ``new_tokens`` per row: this call's self-attention mask.
+        """Prepare a decoder call of ``new_tokens`` per row: the rows' ancestry (this call's self-attention mask
+        follows from it when asked for, :meth:`call_self_mask`).
 
         The first call may give one row per sentence instead of ``beam``: every hypothesis of a sentence starts
         from the same prefix, so its keys/values are computed once and every row's history starts with them.
@@ -223,27 +239,42 @@ class SlotCache(DecoderCache):
             raise ValueError(f"the decoder got {rows} rows but the cache holds {live_sents} live sentences of "
                              f"{K} rows each")
         self.rows = rows
+        self.new_tokens = T
         self.call_beam = 1 if first else K
+        self.self_mask = None
+        self._step_rows = None
+        self._device = device
         if end > self.capacity:  # the written positions rounded up: every growth copies the filled slots
             self.capacity = -(-end // CAPACITY_STEP) * CAPACITY_STEP
-        cap = n = self.capacity
+        if K == 1:
+            return
+        if self.ancestors is None or self.ancestors.size(1) < self.capacity:
+            grown = torch.zeros(live_sents * K, self.capacity, dtype=torch.int32, device=device)
+            if self.ancestors is not None:
+                grown[:, :start] = self.ancestors[:, :start]
+            self.ancestors = grown
+        if first:  # row 0 of each sentence computes the shared first positions for all of its rows
+            self.ancestors[:, start:end] = 0
+        else:
+            self.ancestors[:, start:end] = torch.arange(K, dtype=torch.int32, device=device).repeat(rows // K)[:, None]
+
+    def call_self_mask(self) -> Tensor:
+        """This call's self-attention mask over the buffers' slots (True = attend), made on first use: (T,
+        capacity) with beam 1, else (N, 1, beam * T, capacity * beam) over the sentences' slots."""
+        if self.self_mask is not None:
+            return self.self_mask
+        K, start, T, n, rows = self.beam, self.length, self.new_tokens, self.capacity, self.rows
+        device = self._device
         # query start+i sees positions 0..start+i of the buffer (T, n): causal, and no unwritten slot
         seen = torch.arange(n, device=device)[None, :] <= (start + torch.arange(T, device=device))[:, None]
         if K == 1:
             self.self_mask = seen
-            return
-        if self.ancestors is None or self.ancestors.size(1) < cap:
-            grown = torch.zeros(live_sents * K, cap, dtype=torch.int32, device=device)
-            if self.ancestors is not None:
-                grown[:, :start] = self.ancestors[:, :start]
-            self.ancestors = grown
+            return seen
         own = torch.arange(K, dtype=torch.int32, device=device)
-        if first:  # row 0 of each sentence computes the shared first positions for all of its rows
-            self.ancestors[:, start:end] = 0
+        if self.call_beam == 1:  # the first call: every row's history is row 0's
             mask = (seen[:, :, None] & (own == 0)).reshape(1, 1, T, n * K).expand(rows, 1, T, n * K)
             self.self_mask = mask  # (A, 1, T, n * beam); live is None on the first call
-            return
-        self.ancestors[:, start:end] = own.repeat(rows // K)[:, None]
+            return mask
         mask = self.ancestors[:, :n, None] == own  # (R, n, beam): slot (s, j) holds row r's position s
         mask = mask.view(rows // K, K, 1, n * K) & seen.repeat_interleave(K, dim=1)[None, None]
         mask = mask.reshape(rows // K, 1, K * T, n * K)  # (A, 1, beam * T, n * beam)
@@ -251,6 +282,29 @@ class SlotCache(DecoderCache):
             full = torch.ones((self.buffered,) + mask.shape[1:], dtype=torch.bool, device=device)
             mask = full.index_copy_(0, self.live, mask)
         self.self_mask = mask
+        return mask
+
+    def step_kernel(self, q: Tensor) -> StepAttention | None:
+        """The backend's step kernel where this call is a one-token step it takes ``q`` for, else None."""
+        kernel = self.step_attention
+        if kernel is None or self.new_tokens != 1 or not kernel.supports(q):
+            return None
+        return kernel
+
+    def step_rows(self) -> StepRows:
+        """The rows of this call, for the step kernel."""
+        if self._step_rows is None:
+            self._step_rows = StepRows(self.rows, self.call_beam, self.live, self.beam)
+        return self._step_rows
+
+    def memory_keep(self) -> Tensor | None:
+        """The memory mask as (N, S) bool, contiguous (None: no padding)."""
+        if self.memory_mask is None:
+            return None
+        if self._memory_keep is None:
+            m = self.memory_mask
+            self._memory_keep = m.reshape(m.size(0), m.size(-1)).contiguous()
+        return self._memory_keep
 
     def pad_rows(self, x: Tensor) -> Tensor:
         """The decoder's input rows (R, T, D) padded with zero rows to ``row_bucket(R)`` (the backend's choice:
@@ -272,7 +326,7 @@ class SlotCache(DecoderCache):
         qs = q.view(A, K, H, T, Dh).transpose(1, 2).reshape(A, H, K * T, Dh)
         if self.live is not None:
             qs = q.new_zeros((self.buffered, H, K * T, Dh)).index_copy_(0, self.live, qs)
-        mask = self.self_mask if which == "self" else self.memory_mask
+        mask = self.call_self_mask() if which == "self" else self.memory_mask
         if self.fused_attention:
             out = _attend_fused(qs, k, v, mask)  # (N, H, beam * T, Dh)
         else:

@@ -23,6 +23,48 @@ RowBucket = Callable[[int], int]  # rows -> the row count a decoder call is padd
 
 
 @dataclass(frozen=True)
+class StepRows:
+    """Which sentence of a step cache's buffers each query row of a decoding step belongs to.
+
+    ``count``: the live rows (the first rows of the call; padding rows may follow); ``per_sentence``: consecutive
+    rows per sentence in this call (the beam, or 1 on the first step); ``live``: (A,) int64, the buffered index of
+    each live sentence (None: row ``r`` belongs to sentence ``r // per_sentence``); ``beam``: slots per position
+    in the self-attention buffers.
+    """
+
+    count: int
+    per_sentence: int
+    live: Tensor | None
+    beam: int
+
+
+class StepAttention(ABC):
+    """One decoding step's attention over a slot cache's buffers (``attnmt/models/incremental.py``) in one call:
+    a backend's kernel, in place of the batched matmul-softmax-matmul under a mask.
+
+    Both methods take the step's queries ``q`` (rows, H, 1, Dh) and return the heads concatenated, (rows, 1, H *
+    Dh), the rows past ``rows.count`` zero. Buffers are (N, H, slots, Dh), contiguous.
+    """
+
+    @abstractmethod
+    def supports(self, q: Tensor) -> bool:
+        """Whether the kernel takes queries like ``q`` (their dtype and layout)."""
+
+    @abstractmethod
+    def self_attention(self, q: Tensor, k: Tensor, v: Tensor, k_buf: Tensor, v_buf: Tensor, rows: StepRows,
+                       position: int, ancestors: Tensor, ancestor_rows: int) -> Tensor:
+        """Write the step's keys/values ``k``/``v`` (rows, H, 1, Dh) of row ``r`` to slot ``position * beam + r %
+        per_sentence``, then attend from each row to its history: position ``s`` <= ``position`` in slot ``s *
+        beam + ancestors[r * ancestor_rows, s]``."""
+
+    @abstractmethod
+    def cross_attention(self, q: Tensor, k_buf: Tensor, v_buf: Tensor, rows: StepRows,
+                        keep: Tensor | None) -> Tensor:
+        """Attend from each row to its sentence's encoder keys/values; ``keep`` (N, S) bool, False = padding
+        (None: no padding)."""
+
+
+@dataclass(frozen=True)
 class DecodingKernels:
     """How a search step runs on a device: the backend's choice (``Backend.decoding_kernels``); the cache and the
     search call what they are given and check no device.
@@ -33,11 +75,14 @@ class DecodingKernels:
     best blocks (on the CPU several times faster than ``torch.topk`` over ``beam x vocabulary``) rather than one
     ``topk`` (the GPU's own kernel); ``low_precision_scores``: a bf16 model's log-probabilities stay bf16
     (computed in fp32, rounded), halving the CPU's memory traffic for the step, instead of fp32. Row padding,
-    the attention form and the candidate selection never change a result beyond rounding.
+    the attention form and the candidate selection never change a result beyond rounding. ``step_attention``:
+    a kernel for one-token steps (:class:`StepAttention`; the CPU's compiled one), used where it ``supports`` the
+    queries; the matmul or fused form otherwise.
     """
 
     row_bucket: RowBucket | None = None
     fused_attention: bool = False
+    step_attention: StepAttention | None = None
     blockwise_topk: bool = True
     low_precision_scores: bool = True
 

@@ -724,7 +724,8 @@ class TransformerModel(EncoderDecoderModel):
         With ``beam`` > 1, ``decode`` takes ``beam`` consecutive rows per sentence of ``enc`` (hypotheses of one
         sentence), which share that sentence's encoder output and encoder-decoder keys/values.
         """
-        return SlotCache(len(self.decoder.layers), beam, kernels.row_bucket, kernels.fused_attention)
+        return SlotCache(len(self.decoder.layers), beam, kernels.row_bucket, kernels.fused_attention,
+                         kernels.step_attention)
 
     @staticmethod
     def reorder(enc: EncoderOut, cache: DecoderCache | None, new_order: Tensor,

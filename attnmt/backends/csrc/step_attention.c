@@ -1,0 +1,148 @@
+/* One decoding step's attention over the beam search's slot cache (attnmt/models/incremental.py), in one call.
+ *
+ * Every query row attends to the keys/values of its own sentence: in self-attention the slots of the row's own
+ * history (position s of row r lies in slot s * beam + ancestors[r][s]), in encoder-decoder attention the
+ * sentence's source positions that are not padding. The batched matmul-softmax-matmul this replaces multiplies
+ * every query of a sentence with every slot of the sentence (beam times the work, under a mask) in thousands of
+ * tiny products; here each (row, head) pair reads only what it attends to, once, and its scores stay in a small
+ * buffer. Scores, softmax and sums are fp32 for fp32 and bf16 inputs alike.
+ *
+ * Layouts (row-major; the head size dh a multiple of 8, at most MAX_DH):
+ *   q            rows of queries, row stride q_rs; head h at column h * dh
+ *   keys, values (N, H, slots, dh), contiguous: N buffered sentences
+ *   sentence of row r: live[r / per] when live is given, else r / per
+ *   self-attention: ancestors int32, row r uses ancestor row r * anc_mult (stride anc_stride); the row attends
+ *     positions 0..n-1. With new_k/new_v (row stride new_rs, head h at h * dh), the row's key/value of position
+ *     pos is first written to slot pos * beam + r % per, which no other row reads.
+ *   encoder-decoder attention: ancestors NULL, n = slots; keep (N, n) bytes, 0 = padding (NULL: none).
+ *   out          (rows, H * dh), contiguous.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_DH 256
+
+typedef float f8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+/* eight values from p (fp32, or bf16: its bits are the top half of an fp32's) */
+static inline __attribute__((always_inline)) f8 load8(const void *p, int64_t i, int bf16)
+{
+    f8 x;
+    if (bf16) {
+        u16x8 h;
+        memcpy(&h, (const uint16_t *)p + i, sizeof h);
+        u32x8 w = __builtin_convertvector(h, u32x8) << 16;
+        memcpy(&x, &w, sizeof x);
+    } else {
+        memcpy(&x, (const float *)p + i, sizeof x);
+    }
+    return x;
+}
+
+static inline uint16_t to_bf16(float f) /* round to nearest even; NaN stays NaN */
+{
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((bits >> 16) | 0x40);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static inline __attribute__((always_inline)) float hsum(f8 a)
+{
+    return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+}
+
+/* one (row, head): out = softmax(q . k_s * scale) . v over its n positions; nv = dh / 8; esz: bytes per value */
+static inline __attribute__((always_inline)) void attend_one(
+    const void *q, const char *k, const char *v, const int32_t *anc, int64_t beam, const uint8_t *keep, int n,
+    const int nv, float scale, void *out, float *w, int bf16)
+{
+    const int64_t row_bytes = (int64_t)nv * 8 * (bf16 ? 2 : 4);
+    f8 qv[MAX_DH / 8], acc[MAX_DH / 8];
+    for (int i = 0; i < nv; i++)
+        qv[i] = load8(q, 8 * i, bf16) * scale;
+    float top = -INFINITY;
+    for (int s = 0; s < n; s++) {
+        float score = -INFINITY;
+        if (!keep || keep[s]) {
+            const char *ks = k + (anc ? s * beam + anc[s] : s) * row_bytes;
+            f8 a = qv[0] * load8(ks, 0, bf16);
+            for (int i = 1; i < nv; i++)
+                a += qv[i] * load8(ks, 8 * i, bf16);
+            score = hsum(a);
+        }
+        w[s] = score;
+        top = score > top ? score : top;
+    }
+    float sum = 0.f;
+    for (int s = 0; s < n; s++) {
+        w[s] = expf(w[s] - top);
+        sum += w[s];
+    }
+    for (int i = 0; i < nv; i++)
+        acc[i] = (f8){0};
+    for (int s = 0; s < n; s++) {
+        if (w[s] == 0.f)
+            continue;
+        const char *vs = v + (anc ? s * beam + anc[s] : s) * row_bytes;
+        const float p = w[s];
+        for (int i = 0; i < nv; i++)
+            acc[i] += p * load8(vs, 8 * i, bf16);
+    }
+    const float inv = 1.f / sum;
+    for (int i = 0; i < nv; i++) {
+        f8 o = acc[i] * inv;
+        if (bf16)
+            for (int j = 0; j < 8; j++)
+                ((uint16_t *)out)[8 * i + j] = to_bf16(o[j]);
+        else
+            memcpy((float *)out + 8 * i, &o, sizeof o);
+    }
+}
+
+static inline __attribute__((always_inline)) void step_attention(
+    const char *q, int64_t q_rs, char *keys, char *values, int64_t slots, const int64_t *live, int per,
+    const int32_t *anc, int64_t anc_stride, int anc_mult, int beam, const uint8_t *keep, const char *new_k,
+    const char *new_v, int64_t new_rs, int64_t pos, int rows, int heads, int dh, int n, float scale, char *out,
+    int threads, int bf16)
+{
+    const int64_t esz = bf16 ? 2 : 4, row_bytes = dh * esz;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(threads) if (threads > 1)
+    for (int r = 0; r < rows; r++) {
+        for (int h = 0; h < heads; h++) {
+            float w[n];
+            const int64_t sent = live ? live[r / per] : r / per;
+            char *k = keys + (sent * heads + h) * slots * row_bytes;
+            char *v = values + (sent * heads + h) * slots * row_bytes;
+            if (new_k) {
+                const int64_t slot = pos * beam + r % per;
+                memcpy(k + slot * row_bytes, new_k + (r * new_rs + h * dh) * esz, row_bytes);
+                memcpy(v + slot * row_bytes, new_v + (r * new_rs + h * dh) * esz, row_bytes);
+            }
+            const char *qr = q + (r * q_rs + h * dh) * esz;
+            const int32_t *a = anc ? anc + (int64_t)r * anc_mult * anc_stride : 0;
+            const uint8_t *kp = keep ? keep + sent * n : 0;
+            char *o = out + ((int64_t)r * heads + h) * row_bytes;
+            if (dh == 64) /* every model of the paper: the sums stay in registers */
+                attend_one(qr, k, v, a, beam, kp, n, 8, scale, o, w, bf16);
+            else
+                attend_one(qr, k, v, a, beam, kp, n, dh / 8, scale, o, w, bf16);
+        }
+    }
+}
+
+#define ARGS                                                                                                     \
+    const void *q, int64_t q_rs, void *keys, void *values, int64_t slots, const int64_t *live, int per,          \
+        const int32_t *anc, int64_t anc_stride, int anc_mult, int beam, const uint8_t *keep, const void *new_k,  \
+        const void *new_v, int64_t new_rs, int64_t pos, int rows, int heads, int dh, int n, float scale,         \
+        void *out, int threads
+#define PASS q, q_rs, keys, values, slots, live, per, anc, anc_stride, anc_mult, beam, keep, new_k, new_v, new_rs, \
+             pos, rows, heads, dh, n, scale, out, threads
+
+void step_attention_f32(ARGS) { step_attention(PASS, 0); }
+void step_attention_bf16(ARGS) { step_attention(PASS, 1); }
+int step_attention_max_dh(void) { return MAX_DH; }

@@ -1,0 +1,161 @@
+"""The CPU's compiled decoding kernel: one decoding step's attention over the beam cache in one call.
+
+A beam search step on the CPU spends much of its attention time in PyTorch's batched products of tiny matrices
+(a few queries per sentence and head against a few dozen slots) and the copies, masks and softmax around them.
+``csrc/step_attention.c`` does the same work per (row, head) pair in one pass: it writes the step's keys and
+values, reads only the slots of the row's own history (a quarter of the batched form's at beam 4), and keeps the
+scores in a small buffer (docs/results.md has the measurements). It is plain C, compiled on first use with the
+machine's C compiler for the vector instructions PyTorch's own kernels use here
+(``torch.backends.cpu.get_cpu_capability()``), cached under ``$ATTNMT_CACHE_DIR`` (default
+``~/.cache/attnmt``), and loaded with ``ctypes``: no PyTorch headers and no build step at install time.
+
+Where no compiler is found or the compilation fails, :func:`step_attention` returns None and the search keeps
+PyTorch's form; ``ATTNMT_CPU_KERNELS=0`` does the same on purpose (to compare, or to rule the kernel out).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from attnmt.models.interface import StepAttention, StepRows
+
+SWITCH = "ATTNMT_CPU_KERNELS"
+SOURCE = Path(__file__).with_name("csrc") / "step_attention.c"
+# x86 vector instructions per PyTorch CPU capability; other CPUs compile for the compiler's default target
+_ISA_FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx2", "-mfma"],
+              "AVX2": ["-mavx2", "-mfma"]}
+_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+log = logging.getLogger(__name__)
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels are kept: ``$ATTNMT_CACHE_DIR``, else ``$XDG_CACHE_HOME/attnmt``, else
+    ``~/.cache/attnmt``."""
+    if os.environ.get("ATTNMT_CACHE_DIR"):
+        return Path(os.environ["ATTNMT_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "attnmt"
+
+
+def compile_flags(isa: str) -> list[str]:
+    """The compiler flags for PyTorch's CPU capability ``isa`` ("AVX512", "AVX2", "DEFAULT", ...)."""
+    flags = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-fopenmp"]
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        flags += _ISA_FLAGS.get(isa.upper(), [])
+    return flags
+
+
+def build(isa: str, directory: Path | None = None) -> Path:
+    """The kernel library for ``isa``, compiled unless a build of the same source and flags is cached.
+
+    Raises ``OSError`` where there is no C compiler, ``subprocess.CalledProcessError`` where it fails. A finished
+    build appears under its final name only once complete (written elsewhere, then renamed), so concurrent
+    processes never load half a file.
+    """
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        raise OSError("no C compiler (cc or gcc) on PATH; set CC to use one")
+    flags = compile_flags(isa)
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([compiler, platform.machine(), *flags]).encode()).hexdigest()[:16]
+    directory = directory or cache_dir()
+    target = directory / f"step_attention-{key}.so"
+    if target.exists():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True,
+                       text=True, timeout=120)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+class CompiledStepAttention(StepAttention):
+    """:class:`~attnmt.models.interface.StepAttention` by the compiled kernel (fp32 and bf16 queries); it runs
+    on ``torch.get_num_threads()`` threads, as PyTorch's own kernels do."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self.library = library
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self.functions = {}
+        for dtype, name in _DTYPES.items():
+            fn = getattr(library, f"step_attention_{name}")
+            fn.argtypes = [p, i64, p, p, i64, p, i32, p, i64, i32, i32, p, p, p, i64, i64, i32, i32, i32, i32,
+                           ctypes.c_float, p, i32]
+            fn.restype = None
+            self.functions[dtype] = fn
+        library.step_attention_max_dh.restype = i32
+        self.max_head_dim = library.step_attention_max_dh()  # head sizes: multiples of 8 up to this
+
+    def supports(self, q: Tensor) -> bool:
+        dh = q.size(-1)
+        return (q.dtype in self.functions and q.device.type == "cpu" and dh % 8 == 0 and dh <= self.max_head_dim
+                and q.stride(-1) == 1 and q.stride(1) == dh)
+
+    def _run(self, q: Tensor, k_buf: Tensor, v_buf: Tensor, rows: StepRows, positions: int, *,
+             ancestors: Tensor | None = None, ancestor_rows: int = 1, keep: Tensor | None = None,
+             k: Tensor | None = None, v: Tensor | None = None, position: int = 0) -> Tensor:
+        total, H, _, Dh = q.shape
+        if not (k_buf.is_contiguous() and v_buf.is_contiguous() and k_buf.dtype == q.dtype == v_buf.dtype):
+            raise ValueError("the step kernel needs contiguous buffers of the queries' dtype")
+        out = q.new_empty(total, 1, H * Dh)
+        if rows.count < total:
+            out[rows.count:].zero_()
+        if k is not None and not (self.supports(k) and self.supports(v) and k.stride(0) == v.stride(0)):
+            k, v = k.contiguous(), v.contiguous()
+        live = rows.live
+        if live is not None and (live.dtype != torch.int64 or not live.is_contiguous()):
+            live = live.to(torch.int64).contiguous()
+        if ancestors is not None and (ancestors.dtype != torch.int32 or ancestors.stride(1) != 1):
+            raise ValueError("the step kernel needs int32 ancestors with contiguous rows")
+        self.functions[q.dtype](
+            q.data_ptr(), q.stride(0), k_buf.data_ptr(), v_buf.data_ptr(), k_buf.size(2),
+            None if live is None else live.data_ptr(), rows.per_sentence,
+            None if ancestors is None else ancestors.data_ptr(), 0 if ancestors is None else ancestors.stride(0),
+            ancestor_rows, rows.beam, None if keep is None else keep.data_ptr(),
+            None if k is None else k.data_ptr(), None if v is None else v.data_ptr(), 0 if k is None else k.stride(0),
+            position, rows.count, H, Dh, positions, Dh ** -0.5, out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def self_attention(self, q: Tensor, k: Tensor, v: Tensor, k_buf: Tensor, v_buf: Tensor, rows: StepRows,
+                       position: int, ancestors: Tensor | None, ancestor_rows: int) -> Tensor:
+        return self._run(q, k_buf, v_buf, rows, position + 1, ancestors=ancestors, ancestor_rows=ancestor_rows,
+                         k=k, v=v, position=position)
+
+    def cross_attention(self, q: Tensor, k_buf: Tensor, v_buf: Tensor, rows: StepRows,
+                        keep: Tensor | None) -> Tensor:
+        if keep is not None and (keep.dtype != torch.bool or not keep.is_contiguous()):
+            raise ValueError("the step kernel needs a contiguous bool padding mask")
+        return self._run(q, k_buf, v_buf, rows, k_buf.size(2), keep=keep)
+
+
+@functools.cache
+def step_attention(isa: str) -> CompiledStepAttention | None:
+    """The compiled step kernel for PyTorch's CPU capability ``isa``, or None where it cannot be had (no
+    compiler, a failed build, ``ATTNMT_CPU_KERNELS=0``); built or loaded once per process."""
+    if os.environ.get(SWITCH, "").strip() == "0":
+        return None
+    try:
+        return CompiledStepAttention(ctypes.CDLL(str(build(isa))))
+    except (OSError, subprocess.SubprocessError, AttributeError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        log.info("the compiled step attention is not available (%s); using PyTorch's", detail.strip()[:300])
+        return None

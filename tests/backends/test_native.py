@@ -1,0 +1,188 @@
+"""The CPU's compiled step attention: the same attention as the masked products over the beam cache, built once,
+and the search's own form wherever it cannot be built."""
+
+import platform
+
+import pytest
+import torch
+from conftest import tiny_transformer
+
+from attnmt.backends import capabilities, native
+from attnmt.generation.search import SearchConfig, Symbols, search
+from attnmt.models.interface import DecodingKernels, StepRows
+
+pytestmark = pytest.mark.precision  # compiled for the vector instructions PyTorch uses here (CI: AVX2 as well)
+
+KERNEL = native.step_attention(capabilities.cpu().isa)
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler here: the search keeps PyTorch's attention")
+
+
+def _reference(q, k_buf, v_buf, sentence_of, slots_of):
+    """softmax(q k^T / sqrt(dh)) v per row and head over the slots ``slots_of(r)`` of buffered sentence
+    ``sentence_of(r)`` (None: padding), written out one row at a time in fp32."""
+    R, H, _, Dh = q.shape
+    out = torch.zeros(R, 1, H * Dh)
+    for r in range(R):
+        s, slots = sentence_of(r), slots_of(r)
+        for h in range(H):
+            keys, values = k_buf[s, h, slots].float(), v_buf[s, h, slots].float()
+            p = torch.softmax(keys @ q[r, h, 0].float() / Dh ** 0.5, dim=0)
+            out[r, 0, h * Dh:(h + 1) * Dh] = p @ values
+    return out
+
+
+def _queries(R, H, Dh, dtype, g):
+    """Queries, keys and values as the model's fused projection gives them: views into one (R, 1, 3 D) tensor."""
+    qkv = torch.randn(R, 1, 3 * H * Dh, generator=g).to(dtype)
+    return [t.view(R, 1, H, Dh).transpose(1, 2) for t in qkv.chunk(3, dim=-1)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("first", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 24])
+def test_self_attention_reads_each_rows_own_history_and_writes_its_new_slot(dtype, atol, first, head_dim):
+    g = torch.Generator().manual_seed(0)
+    N, H, beam, position = 5, 3, 4, 6
+    live = torch.tensor([0, 2, 3])  # sentences 1 and 4 have finished: their buffers are left alone
+    per = 1 if first else beam
+    rows = StepRows(len(live) * per, per, None if first else live, beam)
+    padded = rows.count + 3  # padding rows after the real ones (the backend's row bucket)
+    slots = (position + 2) * beam
+    k_buf = torch.randn(N, H, slots, head_dim, generator=g).to(dtype)
+    v_buf = torch.randn(N, H, slots, head_dim, generator=g).to(dtype)
+    ancestors = torch.randint(0, beam, (len(live) * beam, position + 2), generator=g, dtype=torch.int32)
+    q, k, v = _queries(padded, H, head_dim, dtype, g)
+    before_k, before_v = k_buf.clone(), v_buf.clone()
+    ancestor_rows = beam // per
+    if first:  # the first call: one row per sentence, every hypothesis's history starts with its keys/values
+        ancestors[:, position] = 0
+    else:
+        ancestors[:, position] = torch.arange(beam, dtype=torch.int32).repeat(len(live))
+
+    out = KERNEL.self_attention(q, k, v, k_buf, v_buf, rows, position, ancestors, ancestor_rows)
+
+    def sentence_of(r):
+        return r // per if first else int(live[r // per])
+
+    new_k, new_v = before_k.clone(), before_v.clone()
+    for r in range(rows.count):  # the expected writes: slot position * beam + r % per of the row's sentence
+        new_k[sentence_of(r), :, position * beam + r % per] = k[r, :, 0]
+        new_v[sentence_of(r), :, position * beam + r % per] = v[r, :, 0]
+    assert torch.equal(k_buf, new_k) and torch.equal(v_buf, new_v)
+    expected = _reference(q[:rows.count], new_k, new_v, sentence_of,
+                          lambda r: [s * beam + int(ancestors[r * ancestor_rows, s]) for s in range(position + 1)])
+    assert out.shape == (padded, 1, H * head_dim) and out.dtype == dtype
+    assert torch.allclose(out[:rows.count].float(), expected, atol=atol)
+    assert not out[rows.count:].any()
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_cross_attention_skips_the_sources_padding(dtype, atol):
+    g = torch.Generator().manual_seed(1)
+    N, H, S, Dh, beam = 4, 2, 7, 32, 3
+    k_buf = torch.randn(N, H, S, Dh, generator=g).to(dtype)
+    v_buf = torch.randn(N, H, S, Dh, generator=g).to(dtype)
+    lengths = torch.tensor([7, 3, 5, 1])
+    keep = torch.arange(S)[None, :] < lengths[:, None]
+    k_buf[~keep[:, None, :, None].expand_as(k_buf)] = 1e4  # padding that would dominate if it were read
+    live = torch.tensor([1, 3])
+    rows = StepRows(len(live) * beam, beam, live, beam)
+    q, _, _ = _queries(rows.count, H, Dh, dtype, g)
+    out = KERNEL.cross_attention(q, k_buf, v_buf, rows, keep)
+    expected = _reference(q, k_buf, v_buf, lambda r: int(live[r // beam]),
+                          lambda r: list(range(int(lengths[live[r // beam]]))))
+    assert torch.allclose(out.float(), expected, atol=atol)
+
+
+@needs_kernel
+def test_threads_split_the_rows_without_changing_a_bit():
+    g = torch.Generator().manual_seed(2)
+    N, H, S, Dh = 64, 4, 9, 64
+    k_buf, v_buf = torch.randn(N, H, S, Dh, generator=g), torch.randn(N, H, S, Dh, generator=g)
+    rows = StepRows(N * 4, 4, None, 4)
+    q, _, _ = _queries(rows.count, H, Dh, torch.float32, g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = KERNEL.cross_attention(q, k_buf, v_buf, rows, None)
+        torch.set_num_threads(2)
+        two = KERNEL.cross_attention(q, k_buf, v_buf, rows, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+@needs_kernel
+def test_what_the_kernel_takes():
+    H, Dh = 2, 16
+    q = torch.zeros(3, 1, H * Dh).view(3, 1, H, Dh).transpose(1, 2)
+    assert KERNEL.supports(q) and KERNEL.supports(q.bfloat16())
+    assert not KERNEL.supports(q.double())  # other dtypes keep the products
+    assert not KERNEL.supports(torch.zeros(3, H, 1, 12))  # head sizes that are not a multiple of 8
+    assert not KERNEL.supports(torch.zeros(3, 1, H, Dh).transpose(1, 2)[:, :, :, :8])  # not one block per head
+    buffers = torch.zeros(2, H, 4, Dh)
+    with pytest.raises(ValueError, match="contiguous buffers"):
+        KERNEL.cross_attention(q, buffers.transpose(0, 1), buffers, StepRows(2, 1, None, 1), None)
+
+
+@needs_kernel
+@pytest.mark.parametrize("beam", [1, 4])
+def test_the_search_finds_the_same_translations_with_the_kernel(beam):
+    """The whole search (first step, finished sentences dropped, buffers compacted) with the kernel and with the
+    masked products: the same hypotheses and scores."""
+    model = tiny_transformer(3).eval()
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([9, 4, 7, 2, 6, 8, 3, 5])
+    tokens = torch.full((8, 9), 1)
+    for i, n in enumerate(lengths.tolist()):
+        tokens[i, :n - 1] = torch.randint(4, 50, (n - 1,), generator=g)
+        tokens[i, n - 1] = 2
+    cfg = SearchConfig(beam=beam, nbest=beam, lenpen=0.6, max_len_b=12)
+    sym = Symbols(pad=1, eos=2, unk=3, bos=2)
+    with torch.no_grad():
+        plain = search(model, tokens, lengths, cfg, sym, kernels=DecodingKernels())
+        calls = []
+        counting = _Counting(KERNEL, calls)
+        compiled = search(model, tokens, lengths, cfg, sym, kernels=DecodingKernels(step_attention=counting))
+    assert calls  # the kernel ran the steps
+    assert [[x.tokens for x in h] for h in compiled] == [[x.tokens for x in h] for h in plain]
+    for h, p in zip(compiled, plain):
+        assert [x.score for x in h] == pytest.approx([x.score for x in p], abs=1e-5)
+
+
+class _Counting(native.CompiledStepAttention):
+    def __init__(self, inner, calls):
+        super().__init__(inner.library)
+        self.calls = calls
+
+    def self_attention(self, *args):
+        self.calls.append("self")
+        return super().self_attention(*args)
+
+
+def test_without_a_compiler_or_when_switched_off_the_search_keeps_its_own_attention(monkeypatch, tmp_path):
+    monkeypatch.setenv("ATTNMT_CACHE_DIR", str(tmp_path))
+    native.step_attention.cache_clear()
+    try:
+        monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+        assert native.step_attention("AVX2") is None
+        monkeypatch.setenv("CC", "false")  # a compiler that fails
+        assert native.step_attention("DEFAULT") is None
+        assert not list(tmp_path.glob("*.so")) and not list(tmp_path.glob("tmp*"))  # nothing half-written left
+        monkeypatch.delenv("CC")
+        monkeypatch.setenv(native.SWITCH, "0")
+        assert native.step_attention("AVX512") is None
+    finally:
+        native.step_attention.cache_clear()
+
+
+@needs_kernel
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the instruction sets named are x86's")
+def test_a_build_is_compiled_once_per_source_and_instruction_set(tmp_path):
+    first = native.build("AVX2", tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert native.build("AVX2", tmp_path) == first and first.stat().st_mtime_ns == stamp
+    other = native.build("DEFAULT", tmp_path)
+    assert other != first and sorted(tmp_path.iterdir()) == sorted([first, other])
