@@ -15,13 +15,19 @@ as well, at every step. This cache avoids both:
   exactly its own history. Reordering the beams only reorders ``ancestors`` (a few integers per row); the
   attention costs ``beam`` times more multiply-adds, which is small next to the projections. The buffers hold
   the written positions rounded up to ``CAPACITY_STEP`` (growing copies them every few steps), so that the
-  queries never read many unwritten slots. The first step, where every hypothesis of a sentence has the same
-  prefix, runs one row per sentence, and its keys/values serve all the sentence's rows.
+  queries never read many unwritten slots (with a step kernel, which reads none, the buffers double instead).
+  The first step, where every hypothesis of a sentence has the same prefix, runs one row per sentence, and its
+  keys/values serve all the sentence's rows.
 * **Finished sentences are dropped lazily.** When sentences leave the batch, the remaining ones are recorded in
   ``live``: the decoder runs only on their rows, and their queries are scattered into the buffers' batch for
   the two attentions (the dead sentences' attention outputs are computed and discarded). The buffers are
   compacted (a copy of the filled slots of the sentences left) once at most half of the buffered sentences are
   live, so a batch is compacted about log2(sentences) times instead of at every step.
+
+A backend may pass a kernel for one-token steps (``DecodingKernels.step_attention``, the CPU's compiled one):
+it writes a step's keys/values and reads, per row, only the slots of the row's own history (``ancestors``), in
+one call; the masks are then never built. Calls of several tokens and queries it does not take use the batched
+form above.
 
 With ``beam`` 1 (greedy search, sampling, teacher-forced checks), rows are sentences and the mask is the usual
 causal one. Numerically, every row gets the same attention as with a plain per-row cache (masked slots weigh 0).
@@ -181,6 +187,7 @@ class SlotCache(DecoderCache):
         self.row_bucket = row_bucket  # rows -> the row count a decoder call is padded to (None: no padding)
         self.fused_attention = fused_attention  # scaled_dot_product_attention instead of the plain products
         self.step_attention = step_attention  # the backend's kernel for one-token steps, where it takes the queries
+        self.kernel_ran = False  # the step kernel ran the last call's attention
         self.layers: list[LayerCache] = [SlotLayerCache(self) for _ in range(num_layers)]
         self.length = 0
         self.beam = beam
@@ -244,8 +251,10 @@ class SlotCache(DecoderCache):
         self.self_mask = None
         self._step_rows = None
         self._device = device
-        if end > self.capacity:  # the written positions rounded up: every growth copies the filled slots
-            self.capacity = -(-end // CAPACITY_STEP) * CAPACITY_STEP
+        if end > self.capacity:  # every growth copies the filled slots
+            self.capacity = -(-end // CAPACITY_STEP) * CAPACITY_STEP  # the written positions rounded up
+            if self.kernel_ran:  # the step kernel reads written slots only: double, copying far less often
+                self.capacity = max(self.capacity, 2 * self.length)
         if K == 1:
             return
         if self.ancestors is None or self.ancestors.size(1) < self.capacity:
@@ -288,7 +297,9 @@ class SlotCache(DecoderCache):
         """The backend's step kernel where this call is a one-token step it takes ``q`` for, else None."""
         kernel = self.step_attention
         if kernel is None or self.new_tokens != 1 or not kernel.supports(q):
+            self.kernel_ran = False
             return None
+        self.kernel_ran = True
         return kernel
 
     def step_rows(self) -> StepRows:
