@@ -201,7 +201,8 @@ class CpuBackend(Backend):
         from attnmt.backends import native
 
         return DecodingKernels(row_bucket=padded_rows, blockwise_topk=True, low_precision_scores=True,
-                               step_attention=native.step_attention(self.caps.isa))
+                               step_attention=native.step_attention(self.caps.isa),
+                               scores=native.scores(self.caps.isa))
 
     def decoding_max_tokens(self) -> int:
         # a decoding step costs the same Python and kernel overhead whatever its row count: fewer, larger batches

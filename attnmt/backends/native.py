@@ -1,16 +1,20 @@
-"""The CPU's compiled decoding kernel: one decoding step's attention over the beam cache in one call.
+"""The CPU's compiled decoding kernels: a beam search step's attention over the cache, and what its candidate
+selection needs of the logits, each in one call.
 
 A beam search step on the CPU spends much of its attention time in PyTorch's batched products of tiny matrices
 (a few queries per sentence and head against a few dozen slots) and the copies, masks and softmax around them.
 ``csrc/step_attention.c`` does the same work per (row, head) pair in one pass: it writes the step's keys and
 values, reads only the slots of the row's own history (a quarter of the batched form's at beam 4), and keeps the
-scores in a small buffer (docs/results.md has the measurements). It is plain C, compiled on first use with the
-machine's C compiler for the vector instructions PyTorch's own kernels use here
-(``torch.backends.cpu.get_cpu_capability()``), cached under ``$ATTNMT_CACHE_DIR`` (default
-``~/.cache/attnmt``), and loaded with ``ctypes``: no PyTorch headers and no build step at install time.
+scores in a small buffer. ``csrc/logsumexp.c`` reads each row of logits twice (the row's and its vocabulary
+blocks' maxima, then the sum of exponentials) where ``log_softmax`` and the block maxima read and write the
+vocabulary four times and more (docs/results.md has the measurements).
 
-Where no compiler is found or the compilation fails, :func:`step_attention` returns None and the search keeps
-PyTorch's form; ``ATTNMT_CPU_KERNELS=0`` does the same on purpose (to compare, or to rule the kernel out).
+Both are plain C, compiled together on first use with the machine's C compiler for the vector instructions
+PyTorch's own kernels use here (``torch.backends.cpu.get_cpu_capability()``), cached under ``$ATTNMT_CACHE_DIR``
+(default ``~/.cache/attnmt``), and loaded with ``ctypes``: no PyTorch headers and no build step at install time.
+Where no compiler is found or the compilation fails, :func:`step_attention` and :func:`scores` return None and
+the search keeps PyTorch's forms; ``ATTNMT_CPU_KERNELS=0`` does the same on purpose (to compare, or to rule the
+kernels out).
 """
 
 from __future__ import annotations
@@ -29,10 +33,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from attnmt.models.interface import StepAttention, StepRows
+from attnmt.models.interface import ScoreKernel, StepAttention, StepRows
 
 SWITCH = "ATTNMT_CPU_KERNELS"
-SOURCE = Path(__file__).with_name("csrc") / "step_attention.c"
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("step_attention.c", "logsumexp.c"))
 # x86 vector instructions per PyTorch CPU capability; other CPUs compile for the compiler's default target
 _ISA_FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx2", "-mfma"],
               "AVX2": ["-mavx2", "-mfma"]}
@@ -59,7 +63,7 @@ def compile_flags(isa: str) -> list[str]:
 
 
 def build(isa: str, directory: Path | None = None) -> Path:
-    """The kernel library for ``isa``, compiled unless a build of the same source and flags is cached.
+    """The kernels' library for ``isa``, compiled unless a build of the same sources and flags is cached.
 
     Raises ``OSError`` where there is no C compiler, ``subprocess.CalledProcessError`` where it fails. A finished
     build appears under its final name only once complete (written elsewhere, then renamed), so concurrent
@@ -69,17 +73,18 @@ def build(isa: str, directory: Path | None = None) -> Path:
     if not compiler:
         raise OSError("no C compiler (cc or gcc) on PATH; set CC to use one")
     flags = compile_flags(isa)
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler, platform.machine(), *flags]).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(" ".join([compiler, platform.machine(), *flags]).encode())
+    for source in SOURCES:
+        digest.update(source.read_bytes())
     directory = directory or cache_dir()
-    target = directory / f"step_attention-{key}.so"
+    target = directory / f"decoding-{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
     directory.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
     os.close(fd)
     try:
-        subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True,
+        subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True,
                        text=True, timeout=120)
         os.replace(tmp, target)
     finally:
@@ -147,15 +152,65 @@ class CompiledStepAttention(StepAttention):
         return self._run(q, k_buf, v_buf, rows, k_buf.size(2), keep=keep)
 
 
+class CompiledScores(ScoreKernel):
+    """:class:`~attnmt.models.interface.ScoreKernel` by the compiled kernel (fp32 and bf16 logits), on
+    ``torch.get_num_threads()`` threads."""
+
+    def __init__(self, library: ctypes.CDLL):
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self.functions = {}
+        for dtype, name in _DTYPES.items():
+            fn = getattr(library, f"logsumexp_blocks_{name}")
+            fn.argtypes = [p, i64, i64, p, p, p, i64, i64, i32]
+            fn.restype = None
+            self.functions[dtype] = fn
+
+    def supports(self, logits: Tensor) -> bool:
+        return logits.dtype in self.functions and logits.device.type == "cpu" and logits.dim() == 2 and (
+            logits.is_contiguous())
+
+    def logsumexp_blocks(self, logits: Tensor, bias: Tensor | None, block: int) -> tuple[Tensor, Tensor]:
+        R, V = logits.shape
+        if block % 8 or block <= 0:
+            raise ValueError(f"blocks must be a positive multiple of 8 tokens, got {block}")
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (V,) or not bias.is_contiguous()):
+            raise ValueError("the bias must be a contiguous float32 vector, one value per token")
+        maxima = logits.new_empty((R, V // block), dtype=torch.float32)
+        lse = logits.new_empty(R, dtype=torch.float32)
+        self.functions[logits.dtype](logits.data_ptr(), R, V, None if bias is None else bias.data_ptr(),
+                                     maxima.data_ptr(), lse.data_ptr(), block, V // block, torch.get_num_threads())
+        return maxima, lse
+
+
 @functools.cache
-def step_attention(isa: str) -> CompiledStepAttention | None:
-    """The compiled step kernel for PyTorch's CPU capability ``isa``, or None where it cannot be had (no
-    compiler, a failed build, ``ATTNMT_CPU_KERNELS=0``); built or loaded once per process."""
+def library(isa: str) -> ctypes.CDLL | None:
+    """The compiled kernels for PyTorch's CPU capability ``isa``, or None where they cannot be had (no compiler,
+    a failed build, ``ATTNMT_CPU_KERNELS=0``); built or loaded once per process."""
     if os.environ.get(SWITCH, "").strip() == "0":
         return None
     try:
-        return CompiledStepAttention(ctypes.CDLL(str(build(isa))))
-    except (OSError, subprocess.SubprocessError, AttributeError) as e:
+        return ctypes.CDLL(str(build(isa)))
+    except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
-        log.info("the compiled step attention is not available (%s); using PyTorch's", detail.strip()[:300])
+        log.info("the compiled decoding kernels are not available (%s); using PyTorch's", detail.strip()[:300])
         return None
+
+
+@functools.cache
+def step_attention(isa: str) -> CompiledStepAttention | None:
+    """The compiled step attention for ``isa`` (one object per process), or None (see :func:`library`)."""
+    lib = library(isa)
+    return None if lib is None else CompiledStepAttention(lib)
+
+
+@functools.cache
+def scores(isa: str) -> CompiledScores | None:
+    """The compiled score kernel for ``isa`` (one object per process), or None (see :func:`library`)."""
+    lib = library(isa)
+    return None if lib is None else CompiledScores(lib)
+
+
+def clear() -> None:
+    """Forget the loaded kernels (the next call builds or loads them again; for tests)."""
+    for fn in (library, step_attention, scores):
+        fn.cache_clear()

@@ -267,8 +267,33 @@ def _block_maxima(x: Tensor, n: int, nonpositive: bool) -> Tensor:
     return (magnitude.unflatten(1, (n, -1)).amin(dim=2) | -32768).view(torch.bfloat16)
 
 
-def best_extensions(lprobs: Tensor, scores: Tensor, beam: int, nonpositive: bool = False,
-                    blockwise: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def token_bias(vocab: int, step: int, cfg: SearchConfig, sym: Symbols, device: torch.device) -> Tensor:
+    """The rules of :func:`step_log_probs` that apply to every row alike, as one float32 value per token added to
+    the log-probabilities: -inf for padding and BOS, ``-unkpen`` for the unknown word, -inf for EOS before
+    ``--min-len``."""
+    bias = torch.zeros(vocab, device=device)
+    bias[sym.pad] = NEG_INF
+    if sym.bos is not None and sym.bos != sym.eos:
+        bias[sym.bos] = NEG_INF
+    if cfg.unkpen:
+        bias[sym.unk] -= cfg.unkpen
+    if step < cfg.min_len:
+        bias[sym.eos] = NEG_INF
+    return bias
+
+
+@dataclass(frozen=True)
+class Normalizer:
+    """Log-probabilities kept as their logits: ``log_prob = (logits + bias) - lse``; ``maxima``: those of
+    ``logits + bias`` per vocabulary block of ``TOPK_BLOCK`` tokens (a backend's ``ScoreKernel``)."""
+
+    bias: Tensor  # (V,) float32
+    maxima: Tensor  # (R, V // TOPK_BLOCK) float32
+    lse: Tensor  # (R,) float32
+
+
+def best_extensions(lprobs: Tensor, scores: Tensor, beam: int, nonpositive: bool = False, blockwise: bool = True,
+                    normalizer: Normalizer | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The best ``C = min(2 * beam, beam * V)`` one-token extensions of each sentence's hypotheses, best first.
 
     ``lprobs`` (A * beam, V): next-token log-probabilities of each sentence's ``beam`` hypotheses (consecutive
@@ -284,6 +309,9 @@ def best_extensions(lprobs: Tensor, scores: Tensor, beam: int, nonpositive: bool
     over the rows, a top-C over the blocks and a top-C over the ``C * TOPK_BLOCK`` candidates they hold give the
     same values. Among equal values the indices chosen may differ from a plain top-k; a sentence's result
     depends on its own rows only. ``blockwise=False``: one ``topk`` over the sums (what a GPU does best).
+
+    With a ``normalizer``, ``lprobs`` holds the logits, and only the candidates read are turned into
+    log-probabilities (the block scan needs more than ``C`` blocks then).
     """
     R, V = lprobs.shape
     A, c = R // beam, TOPK_BLOCK
@@ -292,9 +320,15 @@ def best_extensions(lprobs: Tensor, scores: Tensor, beam: int, nonpositive: bool
     dev = lprobs.device
     first_row = (torch.arange(A, device=dev) * beam)[:, None]  # (A, 1)
     if n <= C or not blockwise:  # one top-k over all extensions
+        if normalizer is not None:
+            raise ValueError(f"logits with a normalizer need the block scan, over more than {C} blocks")
         top_s, j = (scores.view(-1, 1) + lprobs.float()).view(A, beam * V).topk(C, dim=1)
         return top_s, lprobs.reshape(A, beam * V).gather(1, j).float(), j // V, j % V
-    bound = _block_maxima(lprobs[:, : n * c], n, nonpositive).float() + scores.view(-1, 1)  # (R, n)
+    if normalizer is None:
+        maxima = _block_maxima(lprobs[:, : n * c], n, nonpositive).float()
+    else:
+        maxima = normalizer.maxima - normalizer.lse[:, None]
+    bound = maxima + scores.view(-1, 1)  # (R, n)
     blocks = bound.view(A, beam * n).topk(C, dim=1).indices  # (A, C): hypothesis * n + block
     start = (first_row + blocks // n) * V + (blocks % n) * c  # (A, C) offset of each block in lprobs
     offsets = (start[:, :, None] + torch.arange(c, device=dev)).view(A, C * c)
@@ -303,10 +337,23 @@ def best_extensions(lprobs: Tensor, scores: Tensor, beam: int, nonpositive: bool
         offsets = torch.cat([offsets, tail.view(A, -1)], dim=1)
     flat = lprobs.reshape(-1)
     cand_lp = flat.take(offsets).float()
-    cand = cand_lp + scores.view(-1).take(offsets // V)
+    rows = offsets // V
+    if normalizer is not None:  # the same operations, in the same order, as the bound's
+        cand_lp = (cand_lp + normalizer.bias.take(offsets % V)) - normalizer.lse.take(rows)
+    cand = cand_lp + scores.view(-1).take(rows)
     top_s, j = cand.topk(C, dim=1)
     off = offsets.gather(1, j)
     return top_s, cand_lp.gather(1, j), off // V - first_row, off % V
+
+
+def _normalize_in_kernel(logits: Tensor, step: int, per: int, beam: int, max_len: Tensor, cfg: SearchConfig,
+                         kernels: DecodingKernels) -> bool:
+    """Whether the backend's score kernel serves this block: the block scan over more than ``2 * beam`` blocks,
+    rules that are the same for every row (no n-gram blocking, no row at its length limit), and a row per
+    hypothesis (every step but the first)."""
+    return (kernels.scores is not None and kernels.blockwise_topk and per == beam and not cfg.no_repeat_ngram_size
+            and logits.size(1) // TOPK_BLOCK > min(2 * beam, beam * logits.size(1))
+            and kernels.scores.supports(logits) and not bool((max_len <= step).any()))
 
 
 def next_token_extensions(model, tokens: Tensor, step: int, enc, cache, max_len: Tensor, scores: Tensor,
@@ -325,6 +372,7 @@ def next_token_extensions(model, tokens: Tensor, step: int, enc, cache, max_len:
     prev = tokens[::beam // per, step:step + 1]
     feats = model.decode_features(prev, enc, cache)[:, -1]  # (R or A, D)
     rows = max(1, SCORE_BLOCK_ROWS // beam) * per
+    bias = None
     parts = []
     for a in range(0, feats.size(0), rows):
         b = min(a + rows, feats.size(0))
@@ -332,8 +380,15 @@ def next_token_extensions(model, tokens: Tensor, step: int, enc, cache, max_len:
         if b - a < rows and kernels.row_bucket is not None:  # the last block: the backend's row counts only
             block = torch.cat([block, block.new_zeros(kernels.row_bucket(b - a) - (b - a), block.size(1))])
         lo, hi, every = a * beam // per, b * beam // per, beam // per  # the block's rows of the full arrays
-        lprobs = step_log_probs(model.output_layer(block)[: b - a], step, max_len[lo:hi:every],
-                                tokens[lo:hi:every, 1:step + 1], cfg, sym, keep_bf16=kernels.low_precision_scores)
+        logits = model.output_layer(block)[: b - a]
+        if _normalize_in_kernel(logits, step, per, beam, max_len[lo:hi], cfg, kernels):
+            if bias is None:
+                bias = token_bias(logits.size(1), step, cfg, sym, logits.device)
+            maxima, lse = kernels.scores.logsumexp_blocks(logits, bias, TOPK_BLOCK)
+            parts.append(best_extensions(logits, scores[lo:hi], beam, normalizer=Normalizer(bias, maxima, lse)))
+            continue
+        lprobs = step_log_probs(logits, step, max_len[lo:hi:every], tokens[lo:hi:every, 1:step + 1], cfg, sym,
+                                keep_bf16=kernels.low_precision_scores)
         if per != beam:
             lprobs = lprobs.repeat_interleave(beam // per, dim=0)
         parts.append(best_extensions(lprobs, scores[lo:hi], beam, cfg.unkpen >= 0, kernels.blockwise_topk))

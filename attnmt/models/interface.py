@@ -64,6 +64,22 @@ class StepAttention(ABC):
         (None: no padding)."""
 
 
+class ScoreKernel(ABC):
+    """What a beam search step needs of its logits, in one pass over them: each row's log-sum-exp and the maxima
+    of its vocabulary blocks after a per-token bias (a backend's kernel). The candidate selection then reads the
+    log-probabilities of a few blocks only, and the (rows, V) log-probabilities are never written."""
+
+    @abstractmethod
+    def supports(self, logits: Tensor) -> bool:
+        """Whether the kernel takes logits like these (dtype, layout)."""
+
+    @abstractmethod
+    def logsumexp_blocks(self, logits: Tensor, bias: Tensor | None, block: int) -> tuple[Tensor, Tensor]:
+        """For logits (R, V) and a bias (V,) float32 (None: none): the maxima of ``logits + bias`` over each of the
+        ``V // block`` whole blocks of ``block`` tokens, (R, V // block), and ``logsumexp(logits)`` per row, (R,),
+        both float32."""
+
+
 @dataclass(frozen=True)
 class DecodingKernels:
     """How a search step runs on a device: the backend's choice (``Backend.decoding_kernels``); the cache and the
@@ -77,12 +93,14 @@ class DecodingKernels:
     (computed in fp32, rounded), halving the CPU's memory traffic for the step, instead of fp32. Row padding,
     the attention form and the candidate selection never change a result beyond rounding. ``step_attention``:
     a kernel for one-token steps (:class:`StepAttention`; the CPU's compiled one), used where it ``supports`` the
-    queries; the matmul or fused form otherwise.
+    queries; the matmul or fused form otherwise. ``scores``: a :class:`ScoreKernel` for the blockwise selection
+    (the CPU's compiled one), used where it ``supports`` the logits; ``log_softmax`` and block maxima otherwise.
     """
 
     row_bucket: RowBucket | None = None
     fused_attention: bool = False
     step_attention: StepAttention | None = None
+    scores: ScoreKernel | None = None
     blockwise_topk: bool = True
     low_precision_scores: bool = True
 

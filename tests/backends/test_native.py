@@ -164,7 +164,7 @@ class _Counting(native.CompiledStepAttention):
 
 def test_without_a_compiler_or_when_switched_off_the_search_keeps_its_own_attention(monkeypatch, tmp_path):
     monkeypatch.setenv("ATTNMT_CACHE_DIR", str(tmp_path))
-    native.step_attention.cache_clear()
+    native.clear()
     try:
         monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
         assert native.step_attention("AVX2") is None
@@ -175,7 +175,7 @@ def test_without_a_compiler_or_when_switched_off_the_search_keeps_its_own_attent
         monkeypatch.setenv(native.SWITCH, "0")
         assert native.step_attention("AVX512") is None
     finally:
-        native.step_attention.cache_clear()
+        native.clear()
 
 
 @needs_kernel
@@ -186,3 +186,74 @@ def test_a_build_is_compiled_once_per_source_and_instruction_set(tmp_path):
     assert native.build("AVX2", tmp_path) == first and first.stat().st_mtime_ns == stamp
     other = native.build("DEFAULT", tmp_path)
     assert other != first and sorted(tmp_path.iterdir()) == sorted([first, other])
+
+
+SCORES = native.scores(capabilities.cpu().isa)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [640, 203])  # whole blocks and 8-token groups, and neither
+def test_logsumexp_and_block_maxima_equal_pytorchs(dtype, vocab):
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(7, vocab, generator=g) * 6).to(dtype)
+    logits[2, 5] = float("-inf")
+    bias = torch.zeros(vocab)
+    bias[[1, 3]] = float("-inf")
+    bias[4] = -1.5
+    maxima, lse = SCORES.logsumexp_blocks(logits, bias, 64)
+    n = vocab // 64
+    x = logits.float() + bias
+    assert maxima.shape == (7, n) and torch.equal(maxima, x[:, :n * 64].unflatten(1, (n, 64)).amax(2))
+    assert torch.allclose(lse, torch.logsumexp(logits.float(), dim=1), atol=1e-5, rtol=1e-6)
+    plain, _ = SCORES.logsumexp_blocks(logits, None, 8)
+    assert torch.equal(plain, logits.float()[:, :vocab // 8 * 8].unflatten(1, (-1, 8)).amax(2))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        SCORES.logsumexp_blocks(logits, bias, 12)
+
+
+@needs_kernel
+@pytest.mark.parametrize("options", [dict(), dict(unkpen=2.0, min_len=3), dict(unkpen=-1.0), dict(max_len_a=0, max_len_b=3)])
+def test_the_search_finds_the_same_translations_with_the_score_kernel(options):
+    """Beam search over a vocabulary of many blocks, scoring through logsumexp and block maxima (the kernel) and
+    through log_softmax: the same hypotheses and scores, with the rules that bias tokens (--unkpen, --min-len) and
+    rows that reach their length limit (which keep PyTorch's form)."""
+    from attnmt.models.transformer import TransformerConfig, TransformerModel
+
+    cfg = TransformerConfig(encoder_layers=1, decoder_layers=1, encoder_embed_dim=32, decoder_embed_dim=32,
+                            encoder_ffn_embed_dim=64, decoder_ffn_embed_dim=64, encoder_attention_heads=4,
+                            decoder_attention_heads=4, dropout=0.0)
+    torch.manual_seed(6)
+    model = TransformerModel.build(cfg, 700, 700, 1, joint_vocab=True).eval()
+    with torch.no_grad():
+        model.decoder.output_projection.weight.mul_(8)  # peaked distributions: candidates in few blocks
+    g = torch.Generator().manual_seed(6)
+    tokens = torch.randint(4, 700, (6, 7), generator=g)
+    tokens[:, -1] = 2
+    lengths = torch.full((6,), 7)
+    search_cfg = SearchConfig(beam=4, nbest=2, lenpen=0.6, **({"max_len_b": 10} | options))
+    with torch.no_grad():  # the model's favourite tokens play the special ones, so that the rules matter
+        enc = model.encode(tokens, lengths)
+        first = model.decode(torch.full((6, 1), 2), enc, model.new_cache()).log_softmax(-1).mean((0, 1))
+    favourites = first.topk(4).indices.tolist()  # EOS the first only where --min-len holds it back
+    eos, unk, pad, bos = favourites if "min_len" in options else favourites[::-1]
+    sym = Symbols(pad=pad, eos=eos, unk=unk, bos=bos)
+    calls = []
+    counting = _CountingScores(SCORES, calls)
+    with torch.no_grad():
+        plain = search(model, tokens, lengths, search_cfg, sym, kernels=DecodingKernels())
+        fused = search(model, tokens, lengths, search_cfg, sym, kernels=DecodingKernels(scores=counting))
+    assert calls
+    assert [[x.tokens for x in h] for h in fused] == [[x.tokens for x in h] for h in plain]
+    for h, p in zip(fused, plain):
+        assert [x.score for x in h] == pytest.approx([x.score for x in p], abs=1e-5)
+
+
+class _CountingScores(native.CompiledScores):
+    def __init__(self, inner, calls):
+        self.functions = inner.functions
+        self.calls = calls
+
+    def logsumexp_blocks(self, *args):
+        self.calls.append(1)
+        return super().logsumexp_blocks(*args)

@@ -370,3 +370,19 @@ def test_beam_early_stop_takes_fewer_steps_when_short_hypotheses_finish_first():
                     SYM)
         fewer += beam_model.calls < exact_model.calls
     assert fewer > 0
+
+
+@pytest.mark.parametrize("options", [dict(), dict(unkpen=1.5), dict(unkpen=-2.0, min_len=4)])
+@pytest.mark.parametrize("step", [0, 3, 4])
+def test_token_bias_is_the_rules_that_apply_to_every_row(options, step):
+    """log_softmax + token_bias is step_log_probs wherever no row is at its length limit and no n-gram is blocked
+    (what the score kernels rely on)."""
+    from attnmt.generation.search import step_log_probs, token_bias
+
+    cfg = SearchConfig(beam=2, **options)
+    logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(step))
+    max_len = torch.full((5,), 10)
+    generated = torch.randint(4, 40, (5, step))
+    expected = step_log_probs(logits, step, max_len, generated, cfg, SYM)
+    got = torch.log_softmax(logits, dim=-1) + token_bias(40, step, cfg, SYM, logits.device)
+    assert torch.equal(got, expected)
