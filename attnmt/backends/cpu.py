@@ -17,9 +17,10 @@ What it decides, once per run (see ``capabilities.py`` for how the CPU is detect
   to :data:`PLAIN_ATTENTION_MAX_LEN` tokens.
 * **Dropout masks.** Training draws dropout masks from raw random bits, one integer pass per mask, instead of
   ``bernoulli_`` (a float per element) and two more passes (``attnmt/models/dropout.py``; ``DropoutKernel``).
-* **Decoding attention.** A one-token decoding step attends over the beam cache through the compiled kernel of
-  :mod:`attnmt.backends.native` (each row reads only its own history's slots, in one call) where the machine has a
-  C compiler; PyTorch's batched matmul-softmax-matmul under a mask elsewhere (``ATTNMT_CPU_KERNELS=0`` forces it).
+* **Decoding kernels.** Where the machine has a C compiler, a one-token decoding step attends over the beam cache
+  through the compiled kernel of :mod:`attnmt.backends.native` (each row reads only its own history's slots, in
+  one call), and the candidate selection reads each row's log-sum-exp and block maxima from its other kernel
+  instead of ``log_softmax``'s output; PyTorch's forms elsewhere (``ATTNMT_CPU_KERNELS=0`` forces them).
 * **Decoder row counts.** oneDNN compiles a kernel, and keeps it with its buffers, for every matrix shape it
   meets; as sentences leave a batch the decoder's row count changes almost every step. :meth:`decoding_kernels`
   pads them to a few sizes (:func:`padded_rows`).

@@ -17,30 +17,9 @@
  *   encoder-decoder attention: ancestors NULL, n = slots; keep (N, n) bytes, 0 = padding (NULL: none).
  *   out          (rows, H * dh), contiguous.
  */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
+#include "vec.h"
 
 #define MAX_DH 256
-
-typedef float f8 __attribute__((vector_size(32)));
-typedef uint16_t u16x8 __attribute__((vector_size(16)));
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
-
-/* eight values from p (fp32, or bf16: its bits are the top half of an fp32's) */
-static inline __attribute__((always_inline)) f8 load8(const void *p, int64_t i, int bf16)
-{
-    f8 x;
-    if (bf16) {
-        u16x8 h;
-        memcpy(&h, (const uint16_t *)p + i, sizeof h);
-        u32x8 w = __builtin_convertvector(h, u32x8) << 16;
-        memcpy(&x, &w, sizeof x);
-    } else {
-        memcpy(&x, (const float *)p + i, sizeof x);
-    }
-    return x;
-}
 
 static inline uint16_t to_bf16(float f) /* round to nearest even; NaN stays NaN */
 {
@@ -51,12 +30,9 @@ static inline uint16_t to_bf16(float f) /* round to nearest even; NaN stays NaN 
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-static inline __attribute__((always_inline)) float hsum(f8 a)
-{
-    return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
-}
+static inline int64_t slot(const int32_t *anc, int64_t beam, int s) { return anc ? s * beam + anc[s] : s; }
 
-/* one (row, head): out = softmax(q . k_s * scale) . v over its n positions; nv = dh / 8; esz: bytes per value */
+/* one (row, head): out = softmax(q . k_s * scale) . v over its n positions; nv = dh / 8; w: room for n + 8 */
 static inline __attribute__((always_inline)) void attend_one(
     const void *q, const char *k, const char *v, const int32_t *anc, int64_t beam, const uint8_t *keep, int n,
     const int nv, float scale, void *out, float *w, int bf16)
@@ -64,36 +40,56 @@ static inline __attribute__((always_inline)) void attend_one(
     const int64_t row_bytes = (int64_t)nv * 8 * (bf16 ? 2 : 4);
     f8 qv[MAX_DH / 8], acc[MAX_DH / 8];
     for (int i = 0; i < nv; i++)
-        qv[i] = load8(q, 8 * i, bf16) * scale;
-    float top = -INFINITY;
-    for (int s = 0; s < n; s++) {
-        float score = -INFINITY;
-        if (!keep || keep[s]) {
-            const char *ks = k + (anc ? s * beam + anc[s] : s) * row_bytes;
-            f8 a = qv[0] * load8(ks, 0, bf16);
-            for (int i = 1; i < nv; i++)
-                a += qv[i] * load8(ks, 8 * i, bf16);
-            score = hsum(a);
+        qv[i] = load8(q, 8 * i, bf16) * SPLAT(scale);
+    /* the scores, four positions at a time: four independent sums */
+    int s = 0;
+    for (; s + 4 <= n; s += 4) {
+        const char *k0 = k + slot(anc, beam, s) * row_bytes, *k1 = k + slot(anc, beam, s + 1) * row_bytes;
+        const char *k2 = k + slot(anc, beam, s + 2) * row_bytes, *k3 = k + slot(anc, beam, s + 3) * row_bytes;
+        f8 a0 = qv[0] * load8(k0, 0, bf16), a1 = qv[0] * load8(k1, 0, bf16);
+        f8 a2 = qv[0] * load8(k2, 0, bf16), a3 = qv[0] * load8(k3, 0, bf16);
+        for (int i = 1; i < nv; i++) {
+            a0 += qv[i] * load8(k0, 8 * i, bf16);
+            a1 += qv[i] * load8(k1, 8 * i, bf16);
+            a2 += qv[i] * load8(k2, 8 * i, bf16);
+            a3 += qv[i] * load8(k3, 8 * i, bf16);
         }
-        w[s] = score;
-        top = score > top ? score : top;
+        w[s] = hsum8(a0), w[s + 1] = hsum8(a1), w[s + 2] = hsum8(a2), w[s + 3] = hsum8(a3);
     }
-    float sum = 0.f;
-    for (int s = 0; s < n; s++) {
-        w[s] = expf(w[s] - top);
-        sum += w[s];
+    for (; s < n; s++) {
+        const char *ks = k + slot(anc, beam, s) * row_bytes;
+        f8 a = qv[0] * load8(ks, 0, bf16);
+        for (int i = 1; i < nv; i++)
+            a += qv[i] * load8(ks, 8 * i, bf16);
+        w[s] = hsum8(a);
     }
+    float top = -INFINITY;
+    for (s = 0; s < n; s++) {
+        if (keep && !keep[s])
+            w[s] = -INFINITY;
+        top = w[s] > top ? w[s] : top;
+    }
+    /* the weights, eight at a time */
+    for (s = n; s & 7; s++)
+        w[s] = -INFINITY;
+    f8 sums = SPLAT(0.0f);
+    for (s = 0; s < n; s += 8) {
+        const f8 e = exp8(load8(w, s, 0) - SPLAT(top));
+        memcpy(w + s, &e, sizeof e);
+        sums += e;
+    }
+    /* the weighted sum of the values */
     for (int i = 0; i < nv; i++)
-        acc[i] = (f8){0};
-    for (int s = 0; s < n; s++) {
+        acc[i] = SPLAT(0.0f);
+    for (s = 0; s < n; s++) {
         if (w[s] == 0.f)
             continue;
-        const char *vs = v + (anc ? s * beam + anc[s] : s) * row_bytes;
-        const float p = w[s];
+        const char *vs = v + slot(anc, beam, s) * row_bytes;
+        const f8 p = SPLAT(w[s]);
         for (int i = 0; i < nv; i++)
             acc[i] += p * load8(vs, 8 * i, bf16);
     }
-    const float inv = 1.f / sum;
+    const f8 inv = SPLAT(1.f / hsum8(sums));
     for (int i = 0; i < nv; i++) {
         f8 o = acc[i] * inv;
         if (bf16)
@@ -114,7 +110,7 @@ static inline __attribute__((always_inline)) void step_attention(
 #pragma omp parallel for collapse(2) schedule(static) num_threads(threads) if (threads > 1)
     for (int r = 0; r < rows; r++) {
         for (int h = 0; h < heads; h++) {
-            float w[n];
+            float w[n + 8];
             const int64_t sent = live ? live[r / per] : r / per;
             char *k = keys + (sent * heads + h) * slots * row_bytes;
             char *v = values + (sent * heads + h) * slots * row_bytes;
