@@ -257,3 +257,39 @@ class _CountingScores(native.CompiledScores):
     def logsumexp_blocks(self, *args):
         self.calls.append(1)
         return super().logsumexp_blocks(*args)
+
+
+@needs_kernel
+@pytest.mark.parametrize("beam", [1, 4])
+@pytest.mark.parametrize("kernel_steps, total", [(6, 9), (8, 10)])  # the buffers grown by the kernel's steps or not
+def test_steps_by_the_kernel_then_a_call_of_several_tokens_see_the_same_history(beam, kernel_steps, total):
+    """Steps by the kernel, then a call it does not take (several tokens at once: the batched products, which
+    read every slot, the unwritten ones under the mask): the same history. Uninitialised memory is NaN here."""
+    model = tiny_transformer(7).eval()
+    g = torch.Generator().manual_seed(7)
+    src = torch.randint(4, 50, (3, 6), generator=g)
+    src[:, -1] = 2
+    lengths = torch.full((3,), 6)
+    prev = torch.randint(4, 50, (3 * beam, total), generator=g)
+    prev[:, 0] = 2  # EOS starts every hypothesis
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        with torch.no_grad():
+            enc = model.encode(src, lengths)
+            full = model(src.repeat_interleave(beam, 0), lengths.repeat_interleave(beam), prev)
+            calls = []
+            cache = model.new_cache(beam, DecodingKernels(step_attention=_Counting(KERNEL, calls)))
+            first = prev[::beam, :1] if beam > 1 else prev[:, :1]
+            steps = [model.decode(first, enc, cache).repeat_interleave(beam, 0)]
+            steps += [model.decode(prev[:, t:t + 1], enc, cache) for t in range(1, kernel_steps)]
+            assert len(calls) == kernel_steps * len(model.decoder.layers)
+            steps.append(model.decode(prev[:, kernel_steps:], enc, cache))  # several tokens: the batched products
+            assert len(calls) == kernel_steps * len(model.decoder.layers)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+    out = torch.cat(steps, 1)
+    assert torch.isfinite(out).all() and (out - full).abs().max().item() < 1e-4
