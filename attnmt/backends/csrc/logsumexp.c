@@ -20,51 +20,57 @@ static inline float load1(const void *p, int64_t i, int bf16)
     return x;
 }
 
-static inline __attribute__((always_inline)) void logsumexp_blocks(
-    const void *x, int64_t rows, int64_t v, const float *bias, float *maxima, float *lse, int64_t block,
-    int64_t nblocks, int threads, int bf16)
-{
-    const int64_t vec = v & ~(int64_t)7;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t r = 0; r < rows; r++) {
-        const char *xr = (const char *)x + r * v * (bf16 ? 2 : 4);
-        float *mr = maxima + r * nblocks;
-        /* one pass: the row's maximum, and its blocks' maxima after the bias */
-        f8 m = SPLAT(-INFINITY);
-        int64_t i = 0;
-        for (int64_t b = 0; b < nblocks; b++) {
-            f8 bm = SPLAT(-INFINITY);
-            for (const int64_t end = i + block; i < end; i += 8) {
-                const f8 y = load8(xr, i, bf16);
-                m = max8(m, y);
-                bm = max8(bm, bias ? y + load8(bias, i, 0) : y);
-            }
-            mr[b] = hmax8(bm);
-        }
-        for (; i < vec; i += 8)
-            m = max8(m, load8(xr, i, bf16));
-        float top = hmax8(m);
-        for (; i < v; i++)
-            top = fmaxf(top, load1(xr, i, bf16));
-        /* the second: the sum of exponentials */
-        f8 s0 = SPLAT(0.0f), s1 = SPLAT(0.0f);
-        for (i = 0; i + 16 <= vec; i += 16) { /* two sums: the exponentials of neighbours overlap */
-            s0 += exp8(load8(xr, i, bf16) - SPLAT(top));
-            s1 += exp8(load8(xr, i + 8, bf16) - SPLAT(top));
-        }
-        for (; i < vec; i += 8)
-            s0 += exp8(load8(xr, i, bf16) - SPLAT(top));
-        float sum = hsum8(s0 + s1);
-        for (i = vec; i < v; i++)
-            sum += expf(load1(xr, i, bf16) - top);
-        lse[r] = top + logf(sum);
-    }
-}
-
 #define ARGS                                                                                                     \
     const void *x, int64_t rows, int64_t v, const float *bias, float *maxima, float *lse, int64_t block,        \
         int64_t nblocks, int threads
 #define PASS x, rows, v, bias, maxima, lse, block, nblocks, threads
 
-void logsumexp_blocks_f32(ARGS) { logsumexp_blocks(PASS, 0); }
-void logsumexp_blocks_bf16(ARGS) { logsumexp_blocks(PASS, 1); }
+/* row r */
+static inline __attribute__((always_inline)) void logsumexp_row(ARGS, int64_t r, int bf16)
+{
+    (void)rows, (void)threads;
+    const int64_t vec = v & ~(int64_t)7;
+    const char *xr = (const char *)x + r * v * (bf16 ? 2 : 4);
+    float *mr = maxima + r * nblocks;
+    /* one pass: the row's maximum, and its blocks' maxima after the bias */
+    f8 m = SPLAT(-INFINITY);
+    int64_t i = 0;
+    for (int64_t b = 0; b < nblocks; b++) {
+        f8 bm = SPLAT(-INFINITY);
+        for (const int64_t end = i + block; i < end; i += 8) {
+            const f8 y = load8(xr, i, bf16);
+            m = max8(m, y);
+            bm = max8(bm, bias ? y + load8(bias, i, 0) : y);
+        }
+        mr[b] = hmax8(bm);
+    }
+    for (; i < vec; i += 8)
+        m = max8(m, load8(xr, i, bf16));
+    float top = hmax8(m);
+    for (; i < v; i++)
+        top = fmaxf(top, load1(xr, i, bf16));
+    /* the second: the sum of exponentials */
+    f8 s0 = SPLAT(0.0f), s1 = SPLAT(0.0f);
+    for (i = 0; i + 16 <= vec; i += 16) { /* two sums: the exponentials of neighbours overlap */
+        s0 += exp8(load8(xr, i, bf16) - SPLAT(top));
+        s1 += exp8(load8(xr, i + 8, bf16) - SPLAT(top));
+    }
+    for (; i < vec; i += 8)
+        s0 += exp8(load8(xr, i, bf16) - SPLAT(top));
+    float sum = hsum8(s0 + s1);
+    for (i = vec; i < v; i++)
+        sum += expf(load1(xr, i, bf16) - top);
+    lse[r] = top + logf(sum);
+}
+
+/* one function per dtype, each with its own parallel loop (see step_attention.c) */
+#define DEFINE_LOGSUMEXP_BLOCKS(NAME, BF16)                                                                      \
+    void NAME(ARGS)                                                                                              \
+    {                                                                                                            \
+        _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")                      \
+        for (int64_t r = 0; r < rows; r++)                                                                       \
+            logsumexp_row(PASS, r, BF16);                                                                        \
+    }
+
+DEFINE_LOGSUMEXP_BLOCKS(logsumexp_blocks_f32, 0)
+DEFINE_LOGSUMEXP_BLOCKS(logsumexp_blocks_bf16, 1)

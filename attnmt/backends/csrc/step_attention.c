@@ -100,37 +100,6 @@ static inline __attribute__((always_inline)) void attend_one(
     }
 }
 
-static inline __attribute__((always_inline)) void step_attention(
-    const char *q, int64_t q_rs, char *keys, char *values, int64_t slots, const int64_t *live, int per,
-    const int32_t *anc, int64_t anc_stride, int anc_mult, int beam, const uint8_t *keep, const char *new_k,
-    const char *new_v, int64_t new_rs, int64_t pos, int rows, int heads, int dh, int n, float scale, char *out,
-    int threads, int bf16)
-{
-    const int64_t esz = bf16 ? 2 : 4, row_bytes = dh * esz;
-#pragma omp parallel for collapse(2) schedule(static) num_threads(threads) if (threads > 1)
-    for (int r = 0; r < rows; r++) {
-        for (int h = 0; h < heads; h++) {
-            float w[n + 8];
-            const int64_t sent = live ? live[r / per] : r / per;
-            char *k = keys + (sent * heads + h) * slots * row_bytes;
-            char *v = values + (sent * heads + h) * slots * row_bytes;
-            if (new_k) {
-                const int64_t slot = pos * beam + r % per;
-                memcpy(k + slot * row_bytes, new_k + (r * new_rs + h * dh) * esz, row_bytes);
-                memcpy(v + slot * row_bytes, new_v + (r * new_rs + h * dh) * esz, row_bytes);
-            }
-            const char *qr = q + (r * q_rs + h * dh) * esz;
-            const int32_t *a = anc ? anc + (int64_t)r * anc_mult * anc_stride : 0;
-            const uint8_t *kp = keep ? keep + sent * n : 0;
-            char *o = out + ((int64_t)r * heads + h) * row_bytes;
-            if (dh == 64) /* every model of the paper: the sums stay in registers */
-                attend_one(qr, k, v, a, beam, kp, n, 8, scale, o, w, bf16);
-            else
-                attend_one(qr, k, v, a, beam, kp, n, dh / 8, scale, o, w, bf16);
-        }
-    }
-}
-
 #define ARGS                                                                                                     \
     const void *q, int64_t q_rs, void *keys, void *values, int64_t slots, const int64_t *live, int per,          \
         const int32_t *anc, int64_t anc_stride, int anc_mult, int beam, const uint8_t *keep, const void *new_k,  \
@@ -139,6 +108,41 @@ static inline __attribute__((always_inline)) void step_attention(
 #define PASS q, q_rs, keys, values, slots, live, per, anc, anc_stride, anc_mult, beam, keep, new_k, new_v, new_rs, \
              pos, rows, heads, dh, n, scale, out, threads
 
-void step_attention_f32(ARGS) { step_attention(PASS, 0); }
-void step_attention_bf16(ARGS) { step_attention(PASS, 1); }
+/* row r, head h */
+static inline __attribute__((always_inline)) void step_pair(ARGS, int r, int h, int bf16)
+{
+    (void)rows, (void)threads;
+    const int64_t esz = bf16 ? 2 : 4, row_bytes = dh * esz;
+    float w[n + 8];
+    const int64_t sent = live ? live[r / per] : r / per;
+    char *k = (char *)keys + (sent * heads + h) * slots * row_bytes;
+    char *v = (char *)values + (sent * heads + h) * slots * row_bytes;
+    if (new_k) {
+        const int64_t slot = pos * beam + r % per;
+        memcpy(k + slot * row_bytes, (const char *)new_k + (r * new_rs + h * dh) * esz, row_bytes);
+        memcpy(v + slot * row_bytes, (const char *)new_v + (r * new_rs + h * dh) * esz, row_bytes);
+    }
+    const char *qr = (const char *)q + (r * q_rs + h * dh) * esz;
+    const int32_t *a = anc ? anc + (int64_t)r * anc_mult * anc_stride : 0;
+    const uint8_t *kp = keep ? keep + sent * n : 0;
+    char *o = (char *)out + ((int64_t)r * heads + h) * row_bytes;
+    if (dh == 64) /* every model of the paper: the sums stay in registers */
+        attend_one(qr, k, v, a, beam, kp, n, 8, scale, o, w, bf16);
+    else
+        attend_one(qr, k, v, a, beam, kp, n, dh / 8, scale, o, w, bf16);
+}
+
+/* one function per dtype, each with its own parallel loop, so that the compiler specializes each body (a loop
+   in a shared inline function would be outlined once, with the dtype a run-time flag) */
+#define DEFINE_STEP_ATTENTION(NAME, BF16)                                                                        \
+    void NAME(ARGS)                                                                                              \
+    {                                                                                                            \
+        _Pragma("omp parallel for collapse(2) schedule(static) num_threads(threads) if (threads > 1)")           \
+        for (int r = 0; r < rows; r++)                                                                           \
+            for (int h = 0; h < heads; h++)                                                                      \
+                step_pair(PASS, r, h, BF16);                                                                     \
+    }
+
+DEFINE_STEP_ATTENTION(step_attention_f32, 0)
+DEFINE_STEP_ATTENTION(step_attention_bf16, 1)
 int step_attention_max_dh(void) { return MAX_DH; }
