@@ -54,15 +54,16 @@ def cache_dir() -> Path:
     return Path(base) / "attnmt"
 
 
-def compile_flags(isa: str) -> list[str]:
-    """The compiler flags for PyTorch's CPU capability ``isa`` ("AVX512", "AVX2", "DEFAULT", ...)."""
-    flags = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-fopenmp"]
+def compile_flags(isa: str, openmp: bool = True) -> list[str]:
+    """The compiler flags for PyTorch's CPU capability ``isa`` ("AVX512", "AVX2", "DEFAULT", ...); ``openmp``:
+    the kernels split their rows over ``torch.get_num_threads()`` threads (one thread without)."""
+    flags = ["-O3", "-std=gnu11", "-shared", "-fPIC"] + (["-fopenmp"] if openmp else [])
     if platform.machine().lower() in ("x86_64", "amd64"):
         flags += _ISA_FLAGS.get(isa.upper(), [])
     return flags
 
 
-def build(isa: str, directory: Path | None = None) -> Path:
+def build(isa: str, directory: Path | None = None, openmp: bool = True) -> Path:
     """The kernels' library for ``isa``, compiled unless a build of the same sources and flags is cached.
 
     Raises ``OSError`` where there is no C compiler, ``subprocess.CalledProcessError`` where it fails. A finished
@@ -72,7 +73,7 @@ def build(isa: str, directory: Path | None = None) -> Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise OSError("no C compiler (cc or gcc) on PATH; set CC to use one")
-    flags = compile_flags(isa)
+    flags = compile_flags(isa, openmp)
     digest = hashlib.sha256(" ".join([compiler, platform.machine(), *flags]).encode())
     for source in SOURCES:
         digest.update(source.read_bytes())
@@ -189,7 +190,11 @@ def library(isa: str) -> ctypes.CDLL | None:
     if os.environ.get(SWITCH, "").strip() == "0":
         return None
     try:
-        return ctypes.CDLL(str(build(isa)))
+        try:
+            path = build(isa)
+        except subprocess.CalledProcessError:  # e.g. clang without an OpenMP runtime: the kernels on one thread
+            path = build(isa, openmp=False)
+        return ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
         log.info("the compiled decoding kernels are not available (%s); using PyTorch's", detail.strip()[:300])

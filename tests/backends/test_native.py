@@ -179,6 +179,27 @@ def test_without_a_compiler_or_when_switched_off_the_search_keeps_its_own_attent
 
 
 @needs_kernel
+def test_a_compiler_without_openmp_builds_the_kernels_for_one_thread(monkeypatch, tmp_path):
+    compiler = tmp_path / "cc-without-openmp"
+    compiler.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && exit 1; done\nexec gcc "$@"\n')
+    compiler.chmod(0o755)
+    monkeypatch.setenv("ATTNMT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(compiler))
+    native.clear()
+    try:
+        kernel = native.step_attention("AVX2")
+        assert kernel is not None and len(list((tmp_path / "cache").glob("*.so"))) == 1
+        g = torch.Generator().manual_seed(8)
+        k_buf, v_buf = torch.randn(3, 2, 5, 16, generator=g), torch.randn(3, 2, 5, 16, generator=g)
+        rows = StepRows(6, 2, None, 2)
+        q, _, _ = _queries(rows.count, 2, 16, torch.float32, g)
+        expected = _reference(q, k_buf, v_buf, lambda r: r // 2, lambda r: list(range(5)))
+        assert torch.allclose(kernel.cross_attention(q, k_buf, v_buf, rows, None), expected, atol=1e-5)
+    finally:
+        native.clear()
+
+
+@needs_kernel
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the instruction sets named are x86's")
 def test_a_build_is_compiled_once_per_source_and_instruction_set(tmp_path):
     first = native.build("AVX2", tmp_path)
