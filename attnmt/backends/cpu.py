@@ -201,9 +201,9 @@ class CpuBackend(Backend):
     def decoding_kernels(self) -> DecodingKernels:
         from attnmt.backends import native
 
+        target = native.target(self.caps)
         return DecodingKernels(row_bucket=padded_rows, blockwise_topk=True, low_precision_scores=True,
-                               step_attention=native.step_attention(self.caps.isa),
-                               scores=native.scores(self.caps.isa))
+                               step_attention=native.step_attention(target), scores=native.scores(target))
 
     def decoding_max_tokens(self) -> int:
         # a decoding step costs the same Python and kernel overhead whatever its row count: fewer, larger batches

@@ -10,7 +10,8 @@ blocks' maxima, then the sum of exponentials) where ``log_softmax`` and the bloc
 vocabulary four times and more (docs/results.md has the measurements).
 
 Both are plain C, compiled together on first use with the machine's C compiler for the vector instructions
-PyTorch's own kernels use here (``torch.backends.cpu.get_cpu_capability()``), cached under ``$ATTNMT_CACHE_DIR``
+PyTorch's own kernels use here (``torch.backends.cpu.get_cpu_capability()``; AVX-512 BF16's dot products as
+well where attnmt runs bf16 natively on them, :func:`target`), cached under ``$ATTNMT_CACHE_DIR``
 (default ``~/.cache/attnmt``), and loaded with ``ctypes``: no PyTorch headers and no build step at install time.
 Where no compiler is found or the compilation fails, :func:`step_attention` and :func:`scores` return None and
 the search keeps PyTorch's forms; ``ATTNMT_CPU_KERNELS=0`` does the same on purpose (to compare, or to rule the
@@ -33,6 +34,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from attnmt.backends.capabilities import CpuCapabilities
 from attnmt.models.interface import ScoreKernel, StepAttention, StepRows
 
 SWITCH = "ATTNMT_CPU_KERNELS"
@@ -54,12 +56,23 @@ def cache_dir() -> Path:
     return Path(base) / "attnmt"
 
 
+def target(caps: CpuCapabilities) -> str:
+    """What to compile for on this CPU: PyTorch's CPU capability ("AVX512", "AVX2", "DEFAULT", ...), with
+    "+BF16" where the CPU has AVX-512 BF16 and attnmt uses native bf16 (the bf16 cache's dot products then run
+    on its bf16 instructions)."""
+    bf16 = caps.isa.upper() == "AVX512" and caps.native_bf16 and "avx512_bf16" in caps.flags
+    return caps.isa + ("+BF16" if bf16 else "")
+
+
 def compile_flags(isa: str, openmp: bool = True) -> list[str]:
-    """The compiler flags for PyTorch's CPU capability ``isa`` ("AVX512", "AVX2", "DEFAULT", ...); ``openmp``:
-    the kernels split their rows over ``torch.get_num_threads()`` threads (one thread without)."""
+    """The compiler flags for ``isa`` (see :func:`target`); ``openmp``: the kernels split their rows over
+    ``torch.get_num_threads()`` threads (one thread without)."""
     flags = ["-O3", "-std=gnu11", "-shared", "-fPIC"] + (["-fopenmp"] if openmp else [])
+    base, _, extra = isa.upper().partition("+")
     if platform.machine().lower() in ("x86_64", "amd64"):
-        flags += _ISA_FLAGS.get(isa.upper(), [])
+        flags += _ISA_FLAGS.get(base, [])
+        if base == "AVX512" and extra == "BF16":
+            flags.append("-mavx512bf16")
     return flags
 
 

@@ -13,7 +13,7 @@ from attnmt.models.interface import DecodingKernels, StepRows
 
 pytestmark = pytest.mark.precision  # compiled for the vector instructions PyTorch uses here (CI: AVX2 as well)
 
-KERNEL = native.step_attention(capabilities.cpu().isa)
+KERNEL = native.step_attention(native.target(capabilities.cpu()))  # what the CPU backend uses here
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler here: the search keeps PyTorch's attention")
 
 
@@ -209,7 +209,7 @@ def test_a_build_is_compiled_once_per_source_and_instruction_set(tmp_path):
     assert other != first and sorted(tmp_path.iterdir()) == sorted([first, other])
 
 
-SCORES = native.scores(capabilities.cpu().isa)
+SCORES = native.scores(native.target(capabilities.cpu()))
 
 
 @needs_kernel
@@ -314,3 +314,17 @@ def test_steps_by_the_kernel_then_a_call_of_several_tokens_see_the_same_history(
         torch.utils.deterministic.fill_uninitialized_memory = fill
     out = torch.cat(steps, 1)
     assert torch.isfinite(out).all() and (out - full).abs().max().item() < 1e-4
+
+
+def test_the_target_adds_bf16_dot_products_only_where_bf16_runs_natively_on_avx512():
+    import dataclasses
+
+    base = capabilities.CpuCapabilities(name="test CPU", vendor="AuthenticAMD", isa="AVX512",
+                                        flags=frozenset({"avx512f", "avx512_bf16"}), onednn=True, onednn_bf16=True,
+                                        switched_off=False)
+    assert native.target(base) == "AVX512+BF16" and "-mavx512bf16" in native.compile_flags("AVX512+BF16")
+    assert native.target(dataclasses.replace(base, switched_off=True)) == "AVX512"  # ATTNMT_CPU_BF16=0
+    assert native.target(dataclasses.replace(base, isa="AVX2")) == "AVX2"  # ATEN_CPU_CAPABILITY=avx2
+    assert native.target(dataclasses.replace(base, flags=frozenset({"avx512f"}))) == "AVX512"
+    if platform.machine() == "x86_64":
+        assert "-mavx512bf16" not in native.compile_flags("AVX512") and "-mavx2" in native.compile_flags("AVX2")
