@@ -39,6 +39,7 @@ from attnmt.models.interface import ScoreKernel, StepAttention, StepRows
 
 SWITCH = "ATTNMT_CPU_KERNELS"
 SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("step_attention.c", "logsumexp.c"))
+HEADERS = (Path(__file__).with_name("csrc") / "vec.h",)
 # x86 vector instructions per PyTorch CPU capability; other CPUs compile for the compiler's default target
 _ISA_FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx2", "-mfma"],
               "AVX2": ["-mavx2", "-mfma"]}
@@ -88,7 +89,7 @@ def build(isa: str, directory: Path | None = None, openmp: bool = True) -> Path:
         raise OSError("no C compiler (cc or gcc) on PATH; set CC to use one")
     flags = compile_flags(isa, openmp)
     digest = hashlib.sha256(" ".join([compiler, platform.machine(), *flags]).encode())
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     directory = directory or cache_dir()
     target = directory / f"decoding-{digest.hexdigest()[:16]}.so"

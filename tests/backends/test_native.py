@@ -201,12 +201,16 @@ def test_a_compiler_without_openmp_builds_the_kernels_for_one_thread(monkeypatch
 
 @needs_kernel
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the instruction sets named are x86's")
-def test_a_build_is_compiled_once_per_source_and_instruction_set(tmp_path):
+def test_a_build_is_compiled_once_per_source_and_instruction_set(tmp_path, monkeypatch):
     first = native.build("AVX2", tmp_path)
     stamp = first.stat().st_mtime_ns
     assert native.build("AVX2", tmp_path) == first and first.stat().st_mtime_ns == stamp
     other = native.build("DEFAULT", tmp_path)
     assert other != first and sorted(tmp_path.iterdir()) == sorted([first, other])
+    header = tmp_path / "vec.h"  # the build follows its header as well as its sources
+    header.write_bytes(native.HEADERS[0].read_bytes() + b"\n/* changed */\n")
+    monkeypatch.setattr(native, "HEADERS", (header,))
+    assert native.build("AVX2", tmp_path) not in (first, other)
 
 
 SCORES = native.scores(native.target(capabilities.cpu()))
