@@ -87,7 +87,8 @@ def _loss_rows(logits: torch.Tensor, target: torch.Tensor, epsilon: float, lp_y:
                block_elements: int | None = None) -> None:
     """For logits (R, V), L2-cache-sized block by block: ``lp_y`` (R, 1) = log p(y), ``lp_sum`` (R, 1) =
     sum_v log p(v) (fp32), and when ``grad`` (R, V) is given, ``grad = p - eps / V`` (the target's
-    ``- (1 - eps)`` is left to the caller)."""
+    ``- (1 - eps)`` is left to the caller). ``grad`` may be ``logits`` itself: each block is read before its
+    gradient overwrites it."""
     n, vocab = logits.shape
     for rows in _row_blocks(n, vocab, block_elements):
         lp = torch.log_softmax(scratch.fp32(logits[rows]), dim=-1)
@@ -95,7 +96,7 @@ def _loss_rows(logits: torch.Tensor, target: torch.Tensor, epsilon: float, lp_y:
         if epsilon:
             torch.sum(lp, dim=-1, keepdim=True, out=lp_sum[rows])
         if grad is not None:
-            grad[rows] = lp.exp_().sub_(epsilon / vocab)
+            torch.exp(lp, out=grad[rows]).sub_(epsilon / vocab)
 
 
 def _add_at_targets(x: torch.Tensor, target: torch.Tensor, value: float) -> None:
@@ -164,11 +165,11 @@ class _ProjectedSmoothedNLL(torch.autograd.Function):
     """The output projection ``logits = h W^T`` (paper 3.4) fused with the label-smoothed loss.
 
     Rows go through in blocks (a whole batch at once for a 10k vocabulary; ``_PROJECTION_ELEMENTS`` bounds the
-    block's logits): the block's logits are computed, turned into loss sums and the gradient ``G = softmax - q``
-    (as in :class:`_SmoothedNLL`, in cache-sized pieces) and multiplied back, ``dh = G W``. G is kept (in the
-    compute dtype) for the weight gradient ``dW = G^T h``, made in the backward pass. Backward then scales ``dh``
-    (N x D) and ``dW`` (V x D) by the incoming gradient, not the (N x V) G, and ``dW`` is computed in the
-    layout oneDNN runs fastest. (Smaller row blocks, to keep the logits in cache, made the projection itself
+    block's logits): the block's logits are computed, turned into loss sums and, in place, into the gradient
+    ``G = softmax - q`` (as in :class:`_SmoothedNLL`, in cache-sized pieces) and multiplied back, ``dh = G W``.
+    G is kept (in the compute dtype) for the weight gradient ``dW = G^T h``, made in the backward pass. Backward
+    then scales ``dh`` (N x D) and ``dW`` (V x D) by the incoming gradient, not the (N x V) G, and ``dW`` is
+    computed in the layout its dtype's product runs fastest (:func:`_projection_weight_grad`). (Smaller row blocks, to keep the logits in cache, made the projection itself
     slower: each block streams the whole weight again.) Under autocast, h and W are cast to the autocast dtype (bf16):
     the same products a ``Linear`` would run.
     """
@@ -182,10 +183,11 @@ class _ProjectedSmoothedNLL(torch.autograd.Function):
         lp_y = torch.empty(n, 1, dtype=torch.float32, device=h.device)
         lp_sum = torch.empty(n, 1, dtype=torch.float32, device=h.device)
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        grad = torch.empty(n, vocab, dtype=dtype, device=h.device) if need_grad else None  # G (N, V)
+        step = max(256, _PROJECTION_ELEMENTS // vocab)
+        # G (N, V): one block's logits become G in place; several blocks' are gathered into one buffer
+        grad = torch.empty(n, vocab, dtype=dtype, device=h.device) if need_grad and step < n else None
         grad_h = torch.empty_like(hc) if need_grad else None  # G W (N, D)
         scratch = _Scratch()
-        step = max(256, _PROJECTION_ELEMENTS // vocab)
         onednn = onednn and dtype == torch.float32  # the backend's choice (CPUs where oneDNN outruns MKL)
         wct = wc.t().contiguous() if onednn and need_grad else None
         with torch.autocast(h.device.type, enabled=False):
@@ -195,7 +197,7 @@ class _ProjectedSmoothedNLL(torch.autograd.Function):
                     logits = torch.ops.mkldnn._linear_pointwise(hc[rows].contiguous(), wc, None, "none", [], "")
                 else:
                     logits = torch.mm(hc[rows], wc.t())  # (R, V)
-                g = grad[rows] if grad is not None else None
+                g = logits if need_grad else None
                 _loss_rows(logits, target[rows], epsilon, lp_y[rows], lp_sum[rows], g, scratch, block_elements)
                 if g is not None:
                     _add_at_targets(g, target[rows], -(1.0 - epsilon))
@@ -203,6 +205,10 @@ class _ProjectedSmoothedNLL(torch.autograd.Function):
                         grad_h[rows] = torch.ops.mkldnn._linear_pointwise(g, wct, None, "none", [], "")
                     else:
                         torch.mm(g, wc, out=grad_h[rows])
+                    if grad is None:
+                        grad = g
+                    else:
+                        grad[rows] = g
         ctx.save_for_backward(hc, wc, grad, grad_h, target)
         ctx.epsilon = epsilon
         ctx.dtypes = (h.dtype, weight.dtype)
@@ -221,9 +227,7 @@ class _ProjectedSmoothedNLL(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 d_h = grad_h.float().mul_(scale)
             if ctx.needs_input_grad[1]:
-                # G^T h as (h^T G)^T with h^T made contiguous: with V >> D the layout oneDNN runs fastest
-                d_w = torch.empty(wc.shape, dtype=torch.float32, device=wc.device)
-                d_w.copy_(torch.mm(hc.t().contiguous(), grad).t()).mul_(scale)
+                d_w = _projection_weight_grad(grad, hc).mul_(scale)
             if g_nll and eps:
                 # the nll's own gradient adds g_nll (q - onehot) = g_nll eps (1 / V - onehot) to the logits'
                 vocab = wc.size(0)
@@ -235,6 +239,16 @@ class _ProjectedSmoothedNLL(torch.autograd.Function):
         d_h = d_h.to(h_dtype) if d_h is not None else None
         d_w = d_w.to(w_dtype) if d_w is not None else None
         return d_h, d_w, None, None, None, None, None
+
+
+def _projection_weight_grad(grad: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """``G^T h`` (V, D) in fp32 for G (N, V) and h (N, D), in the layout each dtype's product runs fastest: fp32
+    (MKL) reads G transposed as it is; bf16 (oneDNN) is faster as ``(h^T G)^T`` with h^T made contiguous
+    (1.2x and 0.85x of the other layout on the Multi30k model's shapes, docs/results.md)."""
+    if grad.dtype == torch.float32:
+        return torch.mm(grad.t(), h)
+    d_w = torch.empty(grad.size(1), h.size(1), dtype=torch.float32, device=h.device)
+    return d_w.copy_(torch.mm(h.t().contiguous(), grad).t())
 
 
 def label_smoothed_nll_loss(lprobs: torch.Tensor, target: torch.Tensor, epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,6 +26,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -80,15 +81,19 @@ def compile_flags(isa: str, openmp: bool = True) -> list[str]:
 def build(isa: str, directory: Path | None = None, openmp: bool = True) -> Path:
     """The kernels' library for ``isa``, compiled unless a build of the same sources and flags is cached.
 
-    Raises ``OSError`` where there is no C compiler, ``subprocess.CalledProcessError`` where it fails. A finished
+    The compiler is ``$CC`` (split into words as a shell would), else ``cc`` or ``gcc`` on the PATH. Raises
+    ``OSError`` where there is no C compiler, ``subprocess.CalledProcessError`` where it fails. A finished
     build appears under its final name only once complete (written elsewhere, then renamed), so concurrent
     processes never load half a file.
     """
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = shlex.split(os.environ.get("CC", ""))  # several words as in make, e.g. CC="ccache gcc"
     if not compiler:
-        raise OSError("no C compiler (cc or gcc) on PATH; set CC to use one")
+        found = shutil.which("cc") or shutil.which("gcc")
+        if not found:
+            raise OSError("no C compiler (cc or gcc) on PATH; set CC to use one")
+        compiler = [found]
     flags = compile_flags(isa, openmp)
-    digest = hashlib.sha256(" ".join([compiler, platform.machine(), *flags]).encode())
+    digest = hashlib.sha256(" ".join([*compiler, platform.machine(), *flags]).encode())
     for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     directory = directory or cache_dir()
@@ -99,7 +104,7 @@ def build(isa: str, directory: Path | None = None, openmp: bool = True) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
     os.close(fd)
     try:
-        subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True,
+        subprocess.run([*compiler, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True,
                        text=True, timeout=120)
         os.replace(tmp, target)
     finally:

@@ -200,6 +200,17 @@ def test_a_compiler_without_openmp_builds_the_kernels_for_one_thread(monkeypatch
 
 
 @needs_kernel
+def test_a_compiler_of_several_words_is_run_as_a_shell_would(monkeypatch, tmp_path):
+    """CC="ccache gcc" (a wrapper, then the compiler) runs the wrapper with the compiler as its first argument."""
+    wrapper = tmp_path / "wrap"
+    wrapper.write_text(f'#!/bin/sh\necho "$1" >> {tmp_path / "called"}\nexec "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", f"{wrapper} gcc")
+    library = native.build("DEFAULT", tmp_path / "cache")
+    assert library.exists() and (tmp_path / "called").read_text().split() == ["gcc"]
+
+
+@needs_kernel
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the instruction sets named are x86's")
 def test_a_build_is_compiled_once_per_source_and_instruction_set(tmp_path, monkeypatch):
     first = native.build("AVX2", tmp_path)
