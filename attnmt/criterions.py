@@ -15,6 +15,7 @@ Logged figures follow fairseq's convention so that numbers can be compared with 
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import torch
@@ -99,6 +100,35 @@ def _loss_rows(logits: torch.Tensor, target: torch.Tensor, epsilon: float, lp_y:
             torch.exp(lp, out=grad[rows]).sub_(epsilon / vocab)
 
 
+class LossKernel(ABC):
+    """A compiled form of the loss's pass over the logits (the CPU backend's, ``attnmt/backends/native.py``):
+    what :func:`_loss_rows` and the target's term compute, in one call."""
+
+    @abstractmethod
+    def supports(self, logits: torch.Tensor) -> bool:
+        """Whether :meth:`smoothed_rows` takes these logits (device, dtype, layout)."""
+
+    @abstractmethod
+    def smoothed_rows(self, logits: torch.Tensor, target: torch.Tensor, epsilon: float, lp_y: torch.Tensor,
+                      lp_sum: torch.Tensor, grad: torch.Tensor | None) -> None:
+        """For logits (R, V) and target (R,): ``lp_y`` (R values) = log p(y), ``lp_sum`` = sum_v log p(v) (fp32),
+        and when ``grad`` (R, V, the logits' dtype; may be ``logits`` itself) is given, the whole gradient
+        ``softmax - q`` of the smoothed loss, the target's ``- (1 - eps)`` included."""
+
+
+def _smoothed_rows(logits: torch.Tensor, target: torch.Tensor, epsilon: float, lp_y: torch.Tensor,
+                   lp_sum: torch.Tensor, grad: torch.Tensor | None, scratch: _Scratch, block_elements: int | None,
+                   kernel: LossKernel | None) -> None:
+    """:meth:`LossKernel.smoothed_rows` by ``kernel`` where it takes the logits, else by PyTorch's passes."""
+    if kernel is not None and kernel.supports(logits) and (
+            grad is None or (grad.dtype == logits.dtype and grad.is_contiguous())):
+        kernel.smoothed_rows(logits, target, epsilon, lp_y, lp_sum, grad)
+        return
+    _loss_rows(logits, target, epsilon, lp_y, lp_sum, grad, scratch, block_elements)
+    if grad is not None:
+        _add_at_targets(grad, target, -(1.0 - epsilon))
+
+
 def _add_at_targets(x: torch.Tensor, target: torch.Tensor, value: float) -> None:
     """``x[i, target[i]] += value`` for every row i, in place."""
     n, vocab = x.shape
@@ -134,9 +164,8 @@ class _SmoothedNLL(torch.autograd.Function):
         lp_y = torch.empty(n, 1, dtype=torch.float32, device=logits.device)
         lp_sum = torch.empty(n, 1, dtype=torch.float32, device=logits.device)
         grad = torch.empty_like(logits) if ctx.needs_input_grad[0] else None  # d loss / d logits
-        _loss_rows(logits, target, epsilon, lp_y, lp_sum, grad, _Scratch(), block_elements)
+        _smoothed_rows(logits, target, epsilon, lp_y, lp_sum, grad, _Scratch(), block_elements, None)
         if grad is not None:
-            _add_at_targets(grad, target, -(1.0 - epsilon))
             if weight is not None:
                 grad.mul_(weight.to(grad.dtype)[:, None])
         ctx.save_for_backward(grad, target, weight)
@@ -176,7 +205,7 @@ class _ProjectedSmoothedNLL(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, target, epsilon: float, dtype, block_elements: int | None = None,
-                onednn: bool = False):
+                onednn: bool = False, kernel: LossKernel | None = None):
         n, _ = h.shape
         vocab = weight.size(0)
         hc, wc = h.to(dtype), weight.to(dtype)
@@ -198,9 +227,9 @@ class _ProjectedSmoothedNLL(torch.autograd.Function):
                 else:
                     logits = torch.mm(hc[rows], wc.t())  # (R, V)
                 g = logits if need_grad else None
-                _loss_rows(logits, target[rows], epsilon, lp_y[rows], lp_sum[rows], g, scratch, block_elements)
+                _smoothed_rows(logits, target[rows], epsilon, lp_y[rows], lp_sum[rows], g, scratch, block_elements,
+                               kernel)
                 if g is not None:
-                    _add_at_targets(g, target[rows], -(1.0 - epsilon))
                     if onednn:
                         grad_h[rows] = torch.ops.mkldnn._linear_pointwise(g, wct, None, "none", [], "")
                     else:
@@ -238,7 +267,7 @@ class _ProjectedSmoothedNLL(torch.autograd.Function):
                     d_w.index_add_(0, target, hc.float(), alpha=-g_nll * eps)
         d_h = d_h.to(h_dtype) if d_h is not None else None
         d_w = d_w.to(w_dtype) if d_w is not None else None
-        return d_h, d_w, None, None, None, None, None
+        return d_h, d_w, None, None, None, None, None, None
 
 
 def _projection_weight_grad(grad: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -283,30 +312,32 @@ def smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, pad: int,
 
 
 def projected_smoothed_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, epsilon: float,
-                                     block_elements: int | None = None,
-                                     onednn: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                                     block_elements: int | None = None, onednn: bool = False,
+                                     kernel: LossKernel | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss sum, NLL sum) of the logits ``h @ weight.T`` for features ``h`` (N, D), projection ``weight`` (V, D)
     and ``target`` (N,) (no padding rows), without materializing the (N, V) logits: see
     :class:`_ProjectedSmoothedNLL`. Under autocast the products run in the autocast dtype."""
     device = h.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
-    return _ProjectedSmoothedNLL.apply(h, weight, target, float(epsilon), dtype, block_elements, onednn)
+    return _ProjectedSmoothedNLL.apply(h, weight, target, float(epsilon), dtype, block_elements, onednn, kernel)
 
 
 def _loss(model, batch, pad: int, epsilon: float, kernels: BlockedLoss) -> tuple[torch.Tensor, torch.Tensor]:
     h, weight, target = _model_outputs(model, batch, pad)
     return projected_smoothed_cross_entropy(h, weight, target, epsilon, kernels.block_elements,
-                                            kernels.onednn_projection)
+                                            kernels.onednn_projection, kernels.loss_kernel)
 
 
 class BlockedLoss:
     """Mixin of criterions whose kernels the backend tunes: they go through the logits in blocks of
     ``block_elements`` (cache-sized blocks per CPU thread on the CPU, the whole batch at once on a GPU; None: the
-    CPU's default), and with ``onednn_projection`` run the fp32 vocabulary projection's forward products through
-    oneDNN (CPUs where it outruns MKL)."""
+    CPU's default), with ``onednn_projection`` run the fp32 vocabulary projection's forward products through
+    oneDNN (CPUs where it outruns MKL), and with ``loss_kernel`` make the loss and its gradient from the logits in
+    one compiled call (:class:`LossKernel`)."""
 
     block_elements: int | None = None
     onednn_projection: bool = False
+    loss_kernel: LossKernel | None = None
 
 
 def _logging(loss: torch.Tensor, nll: torch.Tensor, batch) -> dict:

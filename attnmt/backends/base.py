@@ -80,6 +80,11 @@ class Backend:
         if isinstance(criterion, BlockedLoss):
             criterion.block_elements = self.loss_block_elements()
             criterion.onednn_projection = self.onednn_projection()
+            criterion.loss_kernel = self.loss_kernel()
+
+    def loss_kernel(self):
+        """The compiled loss kernel (``criterions.LossKernel``) of this device, or None: PyTorch's passes."""
+        return None
 
     def onednn_projection(self) -> bool:
         """The fp32 vocabulary projection of the loss runs through oneDNN rather than ``torch.mm``."""

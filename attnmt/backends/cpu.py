@@ -21,6 +21,9 @@ What it decides, once per run (see ``capabilities.py`` for how the CPU is detect
   through the compiled kernel of :mod:`attnmt.backends.native` (each row reads only its own history's slots, in
   one call), and the candidate selection reads each row's log-sum-exp and block maxima from its other kernel
   instead of ``log_softmax``'s output; PyTorch's forms elsewhere (``ATTNMT_CPU_KERNELS=0`` forces them).
+* **Loss kernel.** Where the machine has a C compiler, the training loss turns each block of logits into its sums
+  and its gradient in one compiled call (:mod:`attnmt.backends.native`) instead of PyTorch's five passes
+  (``ATTNMT_CPU_KERNELS=0`` keeps those).
 * **Decoder row counts.** oneDNN compiles a kernel, and keeps it with its buffers, for every matrix shape it
   meets; as sentences leave a batch the decoder's row count changes almost every step. :meth:`decoding_kernels`
   pads them to a few sizes (:func:`padded_rows`).
@@ -204,6 +207,11 @@ class CpuBackend(Backend):
         target = native.target(self.caps)
         return DecodingKernels(row_bucket=padded_rows, blockwise_topk=True, low_precision_scores=True,
                                step_attention=native.step_attention(target), scores=native.scores(target))
+
+    def loss_kernel(self):
+        from attnmt.backends import native
+
+        return native.smoothed_loss(native.target(self.caps))
 
     def decoding_max_tokens(self) -> int:
         # a decoding step costs the same Python and kernel overhead whatever its row count: fewer, larger batches

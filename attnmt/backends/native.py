@@ -1,5 +1,5 @@
-"""The CPU's compiled decoding kernels: a beam search step's attention over the cache, and what its candidate
-selection needs of the logits, each in one call.
+"""The CPU's compiled kernels: a beam search step's attention over the cache, what its candidate selection needs
+of the logits, and the training loss with its gradient, each in one call.
 
 A beam search step on the CPU spends much of its attention time in PyTorch's batched products of tiny matrices
 (a few queries per sentence and head against a few dozen slots) and the copies, masks and softmax around them.
@@ -7,15 +7,18 @@ A beam search step on the CPU spends much of its attention time in PyTorch's bat
 values, reads only the slots of the row's own history (a quarter of the batched form's at beam 4), and keeps the
 scores in a small buffer. ``csrc/logsumexp.c`` reads each row of logits twice (the row's and its vocabulary
 blocks' maxima, then the sum of exponentials) where ``log_softmax`` and the block maxima read and write the
-vocabulary four times and more (docs/results.md has the measurements).
+vocabulary four times and more (docs/results.md has the measurements). ``csrc/smoothed_loss.c`` turns a block
+of training logits into the label-smoothed loss's sums and, in place, its gradient, in three passes over each
+row while it sits in the cache, where PyTorch's log_softmax, gather, sum, exp and subtraction each read and write
+the logits.
 
 Both are plain C, compiled together on first use with the machine's C compiler for the vector instructions
 PyTorch's own kernels use here (``torch.backends.cpu.get_cpu_capability()``; AVX-512 BF16's dot products as
 well where attnmt runs bf16 natively on them, :func:`target`), cached under ``$ATTNMT_CACHE_DIR``
 (default ``~/.cache/attnmt``), and loaded with ``ctypes``: no PyTorch headers and no build step at install time.
-Where no compiler is found or the compilation fails, :func:`step_attention` and :func:`scores` return None and
-the search keeps PyTorch's forms; ``ATTNMT_CPU_KERNELS=0`` does the same on purpose (to compare, or to rule the
-kernels out).
+Where no compiler is found or the compilation fails, :func:`step_attention`, :func:`scores` and
+:func:`smoothed_loss` return None and the search and the loss keep PyTorch's forms; ``ATTNMT_CPU_KERNELS=0`` does
+the same on purpose (to compare, or to rule the kernels out).
 """
 
 from __future__ import annotations
@@ -36,10 +39,12 @@ import torch
 from torch import Tensor
 
 from attnmt.backends.capabilities import CpuCapabilities
+from attnmt.criterions import LossKernel
 from attnmt.models.interface import ScoreKernel, StepAttention, StepRows
 
 SWITCH = "ATTNMT_CPU_KERNELS"
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("step_attention.c", "logsumexp.c"))
+SOURCES = tuple(Path(__file__).with_name("csrc") / name
+                for name in ("step_attention.c", "logsumexp.c", "smoothed_loss.c"))
 HEADERS = (Path(__file__).with_name("csrc") / "vec.h",)
 # x86 vector instructions per PyTorch CPU capability; other CPUs compile for the compiler's default target
 _ISA_FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx2", "-mfma"],
@@ -97,7 +102,7 @@ def build(isa: str, directory: Path | None = None, openmp: bool = True) -> Path:
     for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     directory = directory or cache_dir()
-    target = directory / f"decoding-{digest.hexdigest()[:16]}.so"
+    target = directory / f"kernels-{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
     directory.mkdir(parents=True, exist_ok=True)
@@ -202,6 +207,39 @@ class CompiledScores(ScoreKernel):
         return maxima, lse
 
 
+class CompiledSmoothedLoss(LossKernel):
+    """:class:`~attnmt.criterions.LossKernel` by the compiled kernel (fp32 and bf16 logits), on
+    ``torch.get_num_threads()`` threads."""
+
+    def __init__(self, library: ctypes.CDLL):
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self.functions = {}
+        for dtype, name in _DTYPES.items():
+            fn = getattr(library, f"smoothed_loss_{name}")
+            fn.argtypes = [p, i64, i64, p, ctypes.c_float, p, p, p, i32]
+            fn.restype = None
+            self.functions[dtype] = fn
+
+    def supports(self, logits: Tensor) -> bool:
+        return logits.dtype in self.functions and logits.device.type == "cpu" and logits.dim() == 2 and (
+            logits.is_contiguous())
+
+    def smoothed_rows(self, logits: Tensor, target: Tensor, epsilon: float, lp_y: Tensor, lp_sum: Tensor,
+                      grad: Tensor | None) -> None:
+        R, V = logits.shape
+        if grad is not None and (grad.shape != logits.shape or grad.dtype != logits.dtype or not grad.is_contiguous()):
+            raise ValueError("the loss kernel writes the gradient into a contiguous tensor shaped as the logits")
+        for out in (lp_y, lp_sum):
+            if out.dtype != torch.float32 or out.numel() != R or not out.is_contiguous():
+                raise ValueError("the loss kernel writes its sums into contiguous float32 tensors, one value a row")
+        target = target.to(torch.int64).contiguous()
+        if R and not (0 <= int(target.min()) and int(target.max()) < V):
+            raise ValueError(f"targets must be token ids below the vocabulary size {V}")
+        self.functions[logits.dtype](logits.data_ptr(), R, V, target.data_ptr(), epsilon, lp_y.data_ptr(),
+                                     lp_sum.data_ptr(), None if grad is None else grad.data_ptr(),
+                                     torch.get_num_threads())
+
+
 @functools.cache
 def library(isa: str) -> ctypes.CDLL | None:
     """The compiled kernels for PyTorch's CPU capability ``isa``, or None where they cannot be had (no compiler,
@@ -216,7 +254,7 @@ def library(isa: str) -> ctypes.CDLL | None:
         return ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
-        log.info("the compiled decoding kernels are not available (%s); using PyTorch's", detail.strip()[:300])
+        log.info("the compiled kernels are not available (%s); using PyTorch's", detail.strip()[:300])
         return None
 
 
@@ -234,7 +272,14 @@ def scores(isa: str) -> CompiledScores | None:
     return None if lib is None else CompiledScores(lib)
 
 
+@functools.cache
+def smoothed_loss(isa: str) -> CompiledSmoothedLoss | None:
+    """The compiled loss kernel for ``isa`` (one object per process), or None (see :func:`library`)."""
+    lib = library(isa)
+    return None if lib is None else CompiledSmoothedLoss(lib)
+
+
 def clear() -> None:
     """Forget the loaded kernels (the next call builds or loads them again; for tests)."""
-    for fn in (library, step_attention, scores):
+    for fn in (library, step_attention, scores, smoothed_loss):
         fn.cache_clear()

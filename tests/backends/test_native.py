@@ -1,5 +1,5 @@
-"""The CPU's compiled step attention: the same attention as the masked products over the beam cache, built once,
-and the search's own form wherever it cannot be built."""
+"""The CPU's compiled kernels: the same step attention as the masked products over the beam cache, the same
+scores and the same training loss as PyTorch's passes, built once, and PyTorch's forms wherever they cannot be."""
 
 import platform
 
@@ -7,7 +7,10 @@ import pytest
 import torch
 from conftest import tiny_transformer
 
+import attnmt.criterions as C
 from attnmt.backends import capabilities, native
+from attnmt.backends.cpu import CpuBackend
+from attnmt.criterions import LabelSmoothedCrossEntropy, LabelSmoothedCrossEntropyConfig
 from attnmt.generation.search import SearchConfig, Symbols, search
 from attnmt.models.interface import DecodingKernels, StepRows
 
@@ -174,6 +177,10 @@ def test_without_a_compiler_or_when_switched_off_the_search_keeps_its_own_attent
         monkeypatch.delenv("CC")
         monkeypatch.setenv(native.SWITCH, "0")
         assert native.step_attention("AVX512") is None
+        assert native.smoothed_loss("AVX512") is None
+        crit = LabelSmoothedCrossEntropy(LabelSmoothedCrossEntropyConfig(), pad=1)
+        CpuBackend(torch.device("cpu")).prepare_criterion(crit)
+        assert crit.loss_kernel is None  # the loss keeps PyTorch's passes
     finally:
         native.clear()
 
@@ -343,3 +350,87 @@ def test_the_target_adds_bf16_dot_products_only_where_bf16_runs_natively_on_avx5
     assert native.target(dataclasses.replace(base, flags=frozenset({"avx512f"}))) == "AVX512"
     if platform.machine() == "x86_64":
         assert "-mavx512bf16" not in native.compile_flags("AVX512") and "-mavx2" in native.compile_flags("AVX2")
+
+
+LOSS = native.smoothed_loss(native.target(capabilities.cpu()))
+
+
+def _smoothed_reference(logits, target, eps):
+    """lp_y, lp_sum and softmax - q in float64."""
+    lp = torch.log_softmax(logits.double(), dim=1)
+    q = torch.full_like(lp, eps / logits.size(1))
+    q[torch.arange(len(target)), target] += 1 - eps
+    return lp.gather(1, target[:, None]).squeeze(1), lp.sum(1), lp.exp() - q
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [640, 203])  # whole 16-token groups, and not even 8
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+@pytest.mark.parametrize("grad", ["in place", "apart", "none"])
+def test_loss_kernel_gives_the_log_probabilities_sums_and_gradient(dtype, vocab, eps, grad):
+    g = torch.Generator().manual_seed(6)
+    logits = (torch.randn(9, vocab, generator=g) * 8).to(dtype)
+    target = torch.randint(0, vocab, (9,), generator=g)
+    target[0], target[1] = 0, vocab - 1  # the first and the last token (the last in the scalar tail at 203)
+    ref_y, ref_sum, ref_grad = _smoothed_reference(logits, target, eps)
+    lp_y, lp_sum = torch.empty(9), torch.empty(9)
+    x = logits.clone()
+    out = {"in place": x, "apart": torch.full_like(x, float("nan")), "none": None}[grad]
+    LOSS.smoothed_rows(x, target, eps, lp_y, lp_sum, out)
+    assert torch.allclose(lp_y.double(), ref_y, atol=1e-4, rtol=1e-5)
+    assert torch.allclose(lp_sum.double(), ref_sum, rtol=1e-5)
+    if out is None:
+        assert torch.equal(x, logits)
+        return
+    if dtype == torch.float32:
+        assert torch.allclose(out.double(), ref_grad, atol=1e-6)
+    else:  # rounded to the nearest bf16 (all within one unit in the last place, almost all exactly)
+        nearest = ref_grad.to(dtype)
+        assert torch.allclose(out.double(), nearest.double(), rtol=2 ** -7, atol=1e-7)
+        assert float((out == nearest).double().mean()) > 0.99
+    if grad == "apart":
+        assert torch.equal(x, logits)
+
+
+@needs_kernel
+def test_loss_kernel_refuses_targets_outside_the_vocabulary():
+    logits = torch.randn(3, 40)
+    with pytest.raises(ValueError, match="below the vocabulary size 40"):
+        LOSS.smoothed_rows(logits, torch.tensor([1, 40, 2]), 0.1, torch.empty(3), torch.empty(3), logits)
+    with pytest.raises(ValueError, match="contiguous"):
+        LOSS.smoothed_rows(logits, torch.tensor([1, 2, 3]), 0.1, torch.empty(3), torch.empty(3), logits.t())
+
+
+@needs_kernel
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("row_blocks", [False, True])
+def test_the_loss_with_its_kernel_equals_the_loss_without(monkeypatch, bf16, row_blocks):
+    """The fused projection + loss: the same loss, NLL and gradients with the compiled kernel as with PyTorch's
+    passes, over one block of rows or several; in bf16, at least as close to the exact values."""
+    if bf16 and not capabilities.cpu().native_bf16:
+        pytest.skip("no native bf16 on this CPU")
+    if row_blocks:
+        monkeypatch.setattr(C, "_PROJECTION_ELEMENTS", 203 * 300)  # blocks of 300 rows
+    g = torch.Generator().manual_seed(7)
+    h0, w0 = torch.randn(700, 32, generator=g), torch.randn(203, 32, generator=g) * 0.3
+    target = torch.randint(0, 203, (700,), generator=g)
+    results = []
+    for kernel in (None, LOSS):
+        h, w = h0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss, nll = C.projected_smoothed_cross_entropy(h, w, target, 0.1, kernel=kernel)
+        (loss + 0.5 * nll).backward()
+        results.append((loss.detach(), nll.detach(), h.grad, w.grad))
+    if not bf16:
+        for a, b in zip(*results):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+        return
+    # exact values of the products bf16 runs (operands rounded to bf16), in float64
+    h, w = h0.bfloat16().double().requires_grad_(True), w0.bfloat16().double().requires_grad_(True)
+    ref_loss, ref_nll = C.label_smoothed_nll_loss(torch.log_softmax(h @ w.t(), -1), target, 0.1)
+    (ref_loss + 0.5 * ref_nll).backward()
+    reference = (ref_loss.detach(), ref_nll.detach(), h.grad, w.grad)
+    for plain, compiled, exact in zip(*results, reference):
+        plain_error, compiled_error = (float((x.double() - exact).abs().max()) for x in (plain, compiled))
+        assert compiled_error <= 1.25 * plain_error + 1e-3 * float(exact.abs().max())

@@ -1,4 +1,4 @@
-/* Vector helpers shared by the decoding kernels: eight fp32 lanes (GCC/Clang vector extensions; the compiler
+/* Vector helpers shared by the compiled kernels: eight fp32 lanes (GCC/Clang vector extensions; the compiler
  * maps them onto AVX2, AVX-512 or SSE registers, as the flags allow). */
 #ifndef ATTNMT_VEC_H
 #define ATTNMT_VEC_H
