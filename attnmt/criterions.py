@@ -198,9 +198,10 @@ class _ProjectedSmoothedNLL(torch.autograd.Function):
     ``G = softmax - q`` (as in :class:`_SmoothedNLL`, in cache-sized pieces) and multiplied back, ``dh = G W``.
     G is kept (in the compute dtype) for the weight gradient ``dW = G^T h``, made in the backward pass. Backward
     then scales ``dh`` (N x D) and ``dW`` (V x D) by the incoming gradient, not the (N x V) G, and ``dW`` is
-    computed in the layout its dtype's product runs fastest (:func:`_projection_weight_grad`). (Smaller row blocks, to keep the logits in cache, made the projection itself
-    slower: each block streams the whole weight again.) Under autocast, h and W are cast to the autocast dtype (bf16):
-    the same products a ``Linear`` would run.
+    computed in the layout its dtype's product runs fastest (:func:`_projection_weight_grad`). (Smaller row
+    blocks, to keep the logits in cache, made the projection itself slower: each block streams the whole weight
+    again.) ``kernel``: the backend's compiled :class:`LossKernel`, or None for PyTorch's passes. Under autocast,
+    h and W are cast to the autocast dtype (bf16): the same products a ``Linear`` would run.
     """
 
     @staticmethod

@@ -12,7 +12,7 @@ of training logits into the label-smoothed loss's sums and, in place, its gradie
 row while it sits in the cache, where PyTorch's log_softmax, gather, sum, exp and subtraction each read and write
 the logits.
 
-Both are plain C, compiled together on first use with the machine's C compiler for the vector instructions
+All three are plain C, compiled together on first use with the machine's C compiler for the vector instructions
 PyTorch's own kernels use here (``torch.backends.cpu.get_cpu_capability()``; AVX-512 BF16's dot products as
 well where attnmt runs bf16 natively on them, :func:`target`), cached under ``$ATTNMT_CACHE_DIR``
 (default ``~/.cache/attnmt``), and loaded with ``ctypes``: no PyTorch headers and no build step at install time.
@@ -226,6 +226,8 @@ class CompiledSmoothedLoss(LossKernel):
 
     def smoothed_rows(self, logits: Tensor, target: Tensor, epsilon: float, lp_y: Tensor, lp_sum: Tensor,
                       grad: Tensor | None) -> None:
+        if not self.supports(logits):
+            raise ValueError("the loss kernel takes contiguous 2-d fp32 or bf16 logits on the CPU")
         R, V = logits.shape
         if grad is not None and (grad.shape != logits.shape or grad.dtype != logits.dtype or not grad.is_contiguous()):
             raise ValueError("the loss kernel writes the gradient into a contiguous tensor shaped as the logits")

@@ -400,6 +400,8 @@ def test_loss_kernel_refuses_targets_outside_the_vocabulary():
         LOSS.smoothed_rows(logits, torch.tensor([1, 40, 2]), 0.1, torch.empty(3), torch.empty(3), logits)
     with pytest.raises(ValueError, match="contiguous"):
         LOSS.smoothed_rows(logits, torch.tensor([1, 2, 3]), 0.1, torch.empty(3), torch.empty(3), logits.t())
+    with pytest.raises(ValueError, match="contiguous"):
+        LOSS.smoothed_rows(logits.t(), torch.arange(40) % 3, 0.1, torch.empty(40), torch.empty(40), None)
 
 
 @needs_kernel
