@@ -118,20 +118,33 @@ def build(isa: str, directory: Path | None = None, openmp: bool = True) -> Path:
     return target
 
 
+_P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+def _bind(library: ctypes.CDLL, prefix: str, argtypes: list) -> dict[torch.dtype, ctypes._CFuncPtr]:
+    """The library's ``{prefix}_f32`` and ``{prefix}_bf16`` functions by dtype, with their argument types."""
+    functions = {}
+    for dtype, name in _DTYPES.items():
+        fn = getattr(library, f"{prefix}_{name}")
+        fn.argtypes, fn.restype = argtypes, None
+        functions[dtype] = fn
+    return functions
+
+
+def _takes_rows(x: Tensor, functions: dict) -> bool:
+    """Whether a row kernel takes ``x``: contiguous 2-d rows on the CPU, in one of its dtypes."""
+    return x.dtype in functions and x.device.type == "cpu" and x.dim() == 2 and x.is_contiguous()
+
+
 class CompiledStepAttention(StepAttention):
     """:class:`~attnmt.models.interface.StepAttention` by the compiled kernel (fp32 and bf16 queries); it runs
     on ``torch.get_num_threads()`` threads, as PyTorch's own kernels do."""
 
     def __init__(self, library: ctypes.CDLL):
         self.library = library
-        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        self.functions = {}
-        for dtype, name in _DTYPES.items():
-            fn = getattr(library, f"step_attention_{name}")
-            fn.argtypes = [p, i64, p, p, i64, p, i32, p, i64, i32, i32, p, p, p, i64, i64, i32, i32, i32, i32,
-                           ctypes.c_float, p, i32]
-            fn.restype = None
-            self.functions[dtype] = fn
+        p, i64, i32 = _P, _I64, _I32
+        self.functions = _bind(library, "step_attention", [p, i64, p, p, i64, p, i32, p, i64, i32, i32, p, p, p, i64,
+                                                            i64, i32, i32, i32, i32, ctypes.c_float, p, i32])
         library.step_attention_max_dh.restype = i32
         self.max_head_dim = library.step_attention_max_dh()  # head sizes: multiples of 8 up to this
 
@@ -182,17 +195,10 @@ class CompiledScores(ScoreKernel):
     ``torch.get_num_threads()`` threads."""
 
     def __init__(self, library: ctypes.CDLL):
-        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        self.functions = {}
-        for dtype, name in _DTYPES.items():
-            fn = getattr(library, f"logsumexp_blocks_{name}")
-            fn.argtypes = [p, i64, i64, p, p, p, i64, i64, i32]
-            fn.restype = None
-            self.functions[dtype] = fn
+        self.functions = _bind(library, "logsumexp_blocks", [_P, _I64, _I64, _P, _P, _P, _I64, _I64, _I32])
 
     def supports(self, logits: Tensor) -> bool:
-        return logits.dtype in self.functions and logits.device.type == "cpu" and logits.dim() == 2 and (
-            logits.is_contiguous())
+        return _takes_rows(logits, self.functions)
 
     def logsumexp_blocks(self, logits: Tensor, bias: Tensor | None, block: int) -> tuple[Tensor, Tensor]:
         R, V = logits.shape
@@ -212,17 +218,10 @@ class CompiledSmoothedLoss(LossKernel):
     ``torch.get_num_threads()`` threads."""
 
     def __init__(self, library: ctypes.CDLL):
-        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        self.functions = {}
-        for dtype, name in _DTYPES.items():
-            fn = getattr(library, f"smoothed_loss_{name}")
-            fn.argtypes = [p, i64, i64, p, ctypes.c_float, p, p, p, i32]
-            fn.restype = None
-            self.functions[dtype] = fn
+        self.functions = _bind(library, "smoothed_loss", [_P, _I64, _I64, _P, ctypes.c_float, _P, _P, _P, _I32])
 
     def supports(self, logits: Tensor) -> bool:
-        return logits.dtype in self.functions and logits.device.type == "cpu" and logits.dim() == 2 and (
-            logits.is_contiguous())
+        return _takes_rows(logits, self.functions)
 
     def smoothed_rows(self, logits: Tensor, target: Tensor, epsilon: float, lp_y: Tensor, lp_sum: Tensor,
                       grad: Tensor | None) -> None:

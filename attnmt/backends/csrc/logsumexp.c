@@ -10,16 +10,6 @@
  */
 #include "vec.h"
 
-static inline float load1(const void *p, int64_t i, int bf16)
-{
-    if (!bf16)
-        return ((const float *)p)[i];
-    uint32_t w = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float x;
-    memcpy(&x, &w, sizeof x);
-    return x;
-}
-
 #define ARGS                                                                                                     \
     const void *x, int64_t rows, int64_t v, const float *bias, float *maxima, float *lse, int64_t block,        \
         int64_t nblocks, int threads
@@ -63,14 +53,5 @@ static inline __attribute__((always_inline)) void logsumexp_row(ARGS, int64_t r,
     lse[r] = top + logf(sum);
 }
 
-/* one function per dtype, each with its own parallel loop (see step_attention.c) */
-#define DEFINE_LOGSUMEXP_BLOCKS(NAME, BF16)                                                                      \
-    void NAME(ARGS)                                                                                              \
-    {                                                                                                            \
-        _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")                      \
-        for (int64_t r = 0; r < rows; r++)                                                                       \
-            logsumexp_row(PASS, r, BF16);                                                                        \
-    }
-
-DEFINE_LOGSUMEXP_BLOCKS(logsumexp_blocks_f32, 0)
-DEFINE_LOGSUMEXP_BLOCKS(logsumexp_blocks_bf16, 1)
+DEFINE_ROW_LOOP(logsumexp_blocks_f32, logsumexp_row, 0)
+DEFINE_ROW_LOOP(logsumexp_blocks_bf16, logsumexp_row, 1)

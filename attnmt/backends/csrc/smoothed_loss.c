@@ -12,16 +12,6 @@
  */
 #include "vec.h"
 
-static inline float load1(const void *p, int64_t i, int bf16)
-{
-    if (!bf16)
-        return ((const float *)p)[i];
-    uint32_t w = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float x;
-    memcpy(&x, &w, sizeof x);
-    return x;
-}
-
 static inline uint32_t round_bf16(uint32_t w) { return (w + 0x7FFFu + ((w >> 16) & 1u)) >> 16; }
 
 static inline void store8(void *p, int64_t i, f8 x, int bf16)
@@ -110,14 +100,5 @@ static inline __attribute__((always_inline)) void loss_row(ARGS, int64_t r, int 
     store1(gr, y, expf(xy - lse) - floor - (1.0f - epsilon), bf16);
 }
 
-/* one function per dtype, each with its own parallel loop (see step_attention.c) */
-#define DEFINE_SMOOTHED_LOSS(NAME, BF16)                                                                         \
-    void NAME(ARGS)                                                                                              \
-    {                                                                                                            \
-        _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")                      \
-        for (int64_t r = 0; r < rows; r++)                                                                       \
-            loss_row(PASS, r, BF16);                                                                             \
-    }
-
-DEFINE_SMOOTHED_LOSS(smoothed_loss_f32, 0)
-DEFINE_SMOOTHED_LOSS(smoothed_loss_bf16, 1)
+DEFINE_ROW_LOOP(smoothed_loss_f32, loss_row, 0)
+DEFINE_ROW_LOOP(smoothed_loss_bf16, loss_row, 1)

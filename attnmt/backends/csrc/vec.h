@@ -73,4 +73,27 @@ static inline f8 load8(const void *p, int64_t i, int bf16)
     return x;
 }
 
+/* one value from p + i, as load8 */
+static inline float load1(const void *p, int64_t i, int bf16)
+{
+    if (!bf16)
+        return ((const float *)p)[i];
+    uint32_t w = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float x;
+    memcpy(&x, &w, sizeof x);
+    return x;
+}
+
+/* void NAME(ARGS): ROW(PASS, r, BF16) for r in [0, rows), the rows split over `threads` OpenMP threads. ARGS and
+   PASS are the including file's macros, naming `rows` and `threads` among the arguments. One function per dtype,
+   each with its own parallel loop, so that the compiler specializes each body (a loop in a shared inline
+   function would be outlined once, with the dtype a run-time flag). */
+#define DEFINE_ROW_LOOP(NAME, ROW, BF16)                                                                         \
+    void NAME(ARGS)                                                                                              \
+    {                                                                                                            \
+        _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")                      \
+        for (int64_t r = 0; r < rows; r++)                                                                       \
+            ROW(PASS, r, BF16);                                                                                  \
+    }
+
 #endif
