@@ -120,8 +120,7 @@ def _smoothed_rows(logits: torch.Tensor, target: torch.Tensor, epsilon: float, l
                    lp_sum: torch.Tensor, grad: torch.Tensor | None, scratch: _Scratch, block_elements: int | None,
                    kernel: LossKernel | None) -> None:
     """:meth:`LossKernel.smoothed_rows` by ``kernel`` where it takes the logits, else by PyTorch's passes."""
-    if kernel is not None and kernel.supports(logits) and (
-            grad is None or (grad.dtype == logits.dtype and grad.is_contiguous())):
+    if kernel is not None and kernel.supports(logits):
         kernel.smoothed_rows(logits, target, epsilon, lp_y, lp_sum, grad)
         return
     _loss_rows(logits, target, epsilon, lp_y, lp_sum, grad, scratch, block_elements)
