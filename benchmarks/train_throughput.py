@@ -7,8 +7,10 @@
 
 attnmt. For each (architecture, precision) it runs full training updates exactly as ``attnmt train`` does (the
 real Trainer: autocast, label-smoothed loss, backward, Adam step, LR schedule, dropout on) on batches of
-DATA_BIN's train split in the seeded epoch order (``--max-tokens`` per batch): ``--warmup`` untimed updates, then
-``--steps`` timed updates on the next batches twice. The first ("cold") pass meets every batch shape for the first
+DATA_BIN's train split (``--max-tokens`` per batch), ``--warmup`` + ``--steps`` of them taken evenly spaced from
+the seeded epoch, so that their padding is the epoch's (fairseq's figure below is the median over its first
+updates' batches, as random as its order): ``--warmup`` untimed updates, then ``--steps`` timed updates on the
+other batches twice. The first ("cold") pass meets every batch shape for the first
 time, and bf16 matrix products pay oneDNN's kernel generation for each new shape; the second ("warm") pass is the
 steady state of a long run, where every shape has been seen in an earlier epoch. ``tgt tok/s`` is the warm figure;
 the cold one is printed too. Reported:
@@ -140,11 +142,9 @@ def run(data_bin: str, arch: str, precision: str, steps: int, warmup: int, max_t
     trainer = Trainer(model, crit, build_adam(AdamConfig(), model.parameters(), lr=7e-4), sched,
                       device=torch.device("cpu"), precision=precision)
     itr, _ = make_train_iterator(task, TrainConfig(max_tokens=max_tokens, seed=seed), model.max_positions())
-    batches = []
-    for b in itr:
-        batches.append(b)
-        if len(batches) == warmup + steps:
-            break
+    epoch = itr.shard(itr.epoch)  # the index arrays of the epoch's batches, in order
+    wanted = min(warmup + steps, len(epoch))
+    batches = [itr.collate(epoch[i * len(epoch) // wanted]) for i in range(wanted)]
     for b in batches[:warmup]:
         trainer.train_step([b])
     timed = batches[warmup:]

@@ -19,6 +19,9 @@ Label smoothing (5.4) belongs to the training criterion, not to the model.
 Conventions. Tensors are batch-first: B sentences, S source tokens, T target tokens, D model width, H heads,
 Dh = D / H, V vocabulary. Batches are right-padded with ``pad_idx``; a token's position is its index among the
 real tokens of its sentence, so a sentence's outputs do not depend on how much padding its batch needed.
+In teacher forcing the decoder may hold its states as the (N, D) rows of the N real target positions instead of
+(B, T, D): the position-wise layers take either, and attention takes the packed rows' ``PackedRows``
+(``models/packing.py``) to lay its heads out on the (B, T) grid.
 Residual blocks are post-norm as in the paper, ``LayerNorm(x + Dropout(Sublayer(x)))``; pre-norm
 (``x + Dropout(Sublayer(LayerNorm(x)))`` plus a final LayerNorm per stack) is an option.
 """
@@ -38,6 +41,7 @@ from attnmt.models.dropout import dropout as dropout_weights
 from attnmt.models.incremental import SlotCache
 from attnmt.models.interface import DecoderCache, DecodingKernels, EncoderDecoderModel, LayerCache
 from attnmt.models.linear import AttentionKernel, DropoutKernel, Linear
+from attnmt.models.packing import PackedRows, is_prefix
 from attnmt.registry import register, register_arch
 
 # ------------------------------------------------------------------------------------------------ config
@@ -340,12 +344,16 @@ class MultiHeadAttention(AttentionKernel, DropoutKernel, nn.Module):
         B, T, _ = x.shape
         return x.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
 
-    def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Self-attention: Q, K, V from the same (B, T, D) input, each (B, H, T, Dh)."""
+    def project_qkv(self, x: Tensor, rows: PackedRows | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Self-attention: Q, K, V from the same (B, T, D) input (or its packed ``rows``, (N, D)), each (B, H, T, Dh)."""
+        if rows is not None:
+            return rows.split_heads(self.qkv_proj(x), 3, self.num_heads)
         q, k, v = self.qkv_proj(x).chunk(3, dim=-1)  # 3 x (B, T, D)
         return self._split_heads(q), self._split_heads(k), self._split_heads(v)
 
-    def project_q(self, x: Tensor) -> Tensor:
+    def project_q(self, x: Tensor, rows: PackedRows | None = None) -> Tensor:
+        if rows is not None:
+            return rows.split_heads(self.q_proj(x), 1, self.num_heads)[0]
         return self._split_heads(self.q_proj(x))  # (B, H, T, Dh)
 
     def project_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
@@ -353,20 +361,24 @@ class MultiHeadAttention(AttentionKernel, DropoutKernel, nn.Module):
         k, v = self.kv_proj(memory).chunk(2, dim=-1)
         return self._split_heads(k).contiguous(), self._split_heads(v).contiguous()
 
-    def combine_heads(self, out: Tensor) -> Tensor:
-        """Concat(head_1..head_h) W^O: (B, H, T, Dh) -> (B, T, D)."""
+    def combine_heads(self, out: Tensor, rows: PackedRows | None = None) -> Tensor:
+        """Concat(head_1..head_h) W^O: (B, H, T, Dh) -> (B, T, D), or (N, D) for packed ``rows``."""
+        if rows is not None:
+            return self.out_proj(rows.merge_heads(out))
         B, H, T, Dh = out.shape
         return self.out_proj(out.transpose(1, 2).reshape(B, T, H * Dh))
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
-        """Concat(head_1..head_h) W^O with head_i = Attention(Q_i, K_i, V_i). Returns (B, T, D)."""
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, is_causal: bool = False,
+               rows: PackedRows | None = None) -> Tensor:
+        """Concat(head_1..head_h) W^O with head_i = Attention(Q_i, K_i, V_i). Returns (B, T, D), or (N, D) for the
+        queries' packed ``rows``."""
         dropout_p = self.dropout if self.training else 0.0
         if self.use_plain_attention(q.size(-2), k.size(-2)) and (mask is None or mask.dtype == torch.bool):
             out = plain_attention(q, k, v, mask, is_causal, dropout_p, self.random_bit_dropout)  # (B, H, T, Dh)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                                  dropout_p=dropout_p)  # (B, H, T, Dh)
-        return self.combine_heads(out)  # (B, T, D)
+        return self.combine_heads(out, rows)  # (B, T, D) or (N, D)
 
     @staticmethod
     def attention_weights(q: Tensor, k: Tensor, mask: Tensor | None = None) -> Tensor:
@@ -485,30 +497,32 @@ class DecoderLayer(nn.Module):
         self.ffn_norm = nn.LayerNorm(d)
         self.dropout = Dropout(cfg.dropout)
 
-    def _self_attention(self, h: Tensor, cache: LayerCache | None, start: int) -> Tensor:
+    def _self_attention(self, h: Tensor, cache: LayerCache | None, start: int, rows: PackedRows | None) -> Tensor:
         """3.2.3: each position attends to itself and earlier positions only."""
-        q, k, v = self.self_attn.project_qkv(h)  # (B, H, T, Dh) each
+        q, k, v = self.self_attn.project_qkv(h, rows)  # (B, H, T, Dh) each
         if cache is None:  # teacher forcing: the whole target at once under a causal mask
-            return self.self_attn.attend(q, k, v, is_causal=True)
+            return self.self_attn.attend(q, k, v, is_causal=True, rows=rows)
         # the cache stores k, v after the ``start`` positions so far and attends under its causal/beam mask
         return self.self_attn.out_proj(cache.self_attention(q, k, v))
 
     def _cross_attention(self, h: Tensor, memory: Tensor, memory_mask: Tensor | None,
-                         cache: LayerCache | None) -> Tensor:
+                         cache: LayerCache | None, rows: PackedRows | None) -> Tensor:
         """3.2.3: queries from the decoder, keys and values from the encoder output (padding masked)."""
-        q = self.cross_attn.project_q(h)  # (B, H, T, Dh)
+        q = self.cross_attn.project_q(h, rows)  # (B, H, T, Dh)
         if cache is not None:  # keys/values projected once per sentence, on the first step
             return self.cross_attn.out_proj(cache.cross_attention(q, self.cross_attn.project_kv, memory))
         k, v = self.cross_attn.project_kv(memory)  # (B, H, S, Dh) each
-        return self.cross_attn.attend(q, k, v, mask=memory_mask)
+        return self.cross_attn.attend(q, k, v, mask=memory_mask, rows=rows)
 
     def forward(self, x: Tensor, memory: Tensor, memory_mask: Tensor | None, cache: LayerCache | None = None,
-                start: int = 0) -> Tensor:  # x (B, T, D), memory (B, S, D_enc)
+                start: int = 0, rows: PackedRows | None = None) -> Tensor:
+        """x (B, T, D), or the (N, D) packed ``rows`` of teacher forcing; memory (B, S, D_enc)."""
         pre = self.normalize_before
-        x = residual(x, lambda h: self._self_attention(h, cache, start), self.self_attn_norm, self.dropout, pre)
-        x = residual(x, lambda h: self._cross_attention(h, memory, memory_mask, cache), self.cross_attn_norm,
+        x = residual(x, lambda h: self._self_attention(h, cache, start, rows), self.self_attn_norm, self.dropout,
+                     pre)
+        x = residual(x, lambda h: self._cross_attention(h, memory, memory_mask, cache, rows), self.cross_attn_norm,
                      self.dropout, pre)
-        return residual(x, self.ffn, self.ffn_norm, self.dropout, pre)  # (B, T, D)
+        return residual(x, self.ffn, self.ffn_norm, self.dropout, pre)  # like x
 
     def forward_with_cross_attention(self, x: Tensor, memory: Tensor,
                                      memory_mask: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -524,7 +538,7 @@ class DecoderLayer(nn.Module):
             weights.append(w)
             return self.cross_attn.combine_heads(torch.matmul(w, v))
 
-        x = residual(x, lambda h: self._self_attention(h, None, 0), self.self_attn_norm, self.dropout, pre)
+        x = residual(x, lambda h: self._self_attention(h, None, 0, None), self.self_attn_norm, self.dropout, pre)
         x = residual(x, cross, self.cross_attn_norm, self.dropout, pre)
         return residual(x, self.ffn, self.ffn_norm, self.dropout, pre), weights[0]
 
@@ -562,21 +576,29 @@ class TransformerDecoder(nn.Module):
     def forward(self, prev_output_tokens: Tensor, enc: EncoderOut, cache: DecoderCache | None = None,
                 output_mask: Tensor | None = None, features_only: bool = False) -> Tensor:
         """Logits (B, T, V), or (N, V) for the N positions where ``output_mask`` (B, T) is True; with
-        ``features_only``, the last layer's output (B, T, D) or (N, D) before the output projection."""
+        ``features_only``, the last layer's output (B, T, D) or (N, D) before the output projection.
+
+        Teacher forcing with an ``output_mask`` that keeps a prefix of each sentence (the targets' padding on the
+        right) runs the layers on the kept positions only (``models/packing.py``): the same outputs, without
+        computing the padding."""
         start = 0 if cache is None else cache.length
         x = self.embed(prev_output_tokens, start)  # (B, T, D)
+        rows = None
         if cache is None:
             memory_mask = key_padding_mask(enc.padding_mask)  # (B, 1, 1, S) or None
+            if output_mask is not None and not bool(output_mask.all()) and is_prefix(output_mask):
+                rows = PackedRows(output_mask)
+                x = rows.pack(x)  # (N, D)
         else:  # the cache's masks; x padded to the backend's row bucket
             x, memory_mask = cache.prepare(x, enc.out, enc.padding_mask, key_padding_mask)
         layer_caches = [None] * len(self.layers) if cache is None else cache.layers
         for layer, layer_cache in zip(self.layers, layer_caches):
-            x = layer(x, enc.out, memory_mask, layer_cache, start)
+            x = layer(x, enc.out, memory_mask, layer_cache, start, rows)
         if cache is not None:
             x = cache.advance(x, prev_output_tokens.size(1), prev_output_tokens.size(0))
         if self.final_norm is not None:
             x = self.final_norm(x)
-        if output_mask is not None:  # (N, D): padding positions never reach the (large) output projection
+        if output_mask is not None and rows is None:  # (N, D): padding never reaches the (large) output projection
             x = x.reshape(-1, x.size(-1))
             if not bool(output_mask.all()):
                 x = x.index_select(0, output_mask.reshape(-1).nonzero().squeeze(1))  # = x[output_mask], faster
