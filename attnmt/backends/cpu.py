@@ -14,7 +14,10 @@ What it decides, once per run (see ``capabilities.py`` for how the CPU is detect
   ``ATTNMT_CPU_ONEDNN_FP32=0|1`` overrides); elsewhere fp32 keeps the plain layers (MKL).
 * **Attention.** For sentence-length sequences the plain matmul-softmax-matmul is faster on the CPU than PyTorch's
   fused "flash" kernel, whose advantage starts at several hundred tokens (benchmarks/kernel_choices.py; figures per CPU in docs/results.md): "auto" runs the plain form up
-  to :data:`PLAIN_ATTENTION_MAX_LEN` tokens.
+  to :data:`PLAIN_ATTENTION_MAX_LEN` tokens. In fp32, where the machine has a C compiler, training runs that
+  plain form as one compiled call forward and one backward (:mod:`attnmt.backends.native`: Q, K and V read
+  where the projection wrote them, no batched products of tiny matrices; ``ATTNMT_CPU_KERNELS=0`` keeps
+  PyTorch's).
 * **Dropout masks.** Training draws dropout masks from raw random bits, one integer pass per mask, instead of
   ``bernoulli_`` (a float per element) and two more passes (``attnmt/models/dropout.py``; ``DropoutKernel``).
 * **Decoding kernels.** Where the machine has a C compiler, a one-token decoding step attends over the beam cache
@@ -54,7 +57,7 @@ from attnmt.backends import capabilities
 from attnmt.backends.base import Backend, DecodingKernels, Mode, swap_linears
 from attnmt.backends.onednn import quantize_u8_affine
 from attnmt.errors import UserError
-from attnmt.models.linear import Linear, set_plain_attention_max_len, set_random_bit_dropout
+from attnmt.models.linear import Linear, set_fused_attention, set_plain_attention_max_len, set_random_bit_dropout
 
 PLAIN_ATTENTION_MAX_LEN = 256
 INT8_ONEDNN_MIN_ROWS = 128  # int8 products of this many rows or more run oneDNN's kernel (Int8Linear)
@@ -165,6 +168,9 @@ class CpuBackend(Backend):
         if attention not in limits:
             raise ValueError(f"unknown attention choice {attention!r}: use auto, math or flash")
         set_plain_attention_max_len(model, limits[attention])
+        from attnmt.backends import native
+
+        set_fused_attention(model, native.training_attention(native.target(self.caps)))
         set_random_bit_dropout(model, True)
         from attnmt.backends.onednn import TrainingLinear
 

@@ -1,5 +1,5 @@
 """The CPU's compiled kernels: a beam search step's attention over the cache, what its candidate selection needs
-of the logits, and the training loss with its gradient, each in one call.
+of the logits, the training loss with its gradient, and training's attention, each in one call.
 
 A beam search step on the CPU spends much of its attention time in PyTorch's batched products of tiny matrices
 (a few queries per sentence and head against a few dozen slots) and the copies, masks and softmax around them.
@@ -10,14 +10,18 @@ blocks' maxima, then the sum of exponentials) where ``log_softmax`` and the bloc
 vocabulary four times and more (docs/results.md has the measurements). ``csrc/smoothed_loss.c`` turns a block
 of training logits into the label-smoothed loss's sums and, in place, its gradient, in three passes over each
 row while it sits in the cache, where PyTorch's log_softmax, gather, sum, exp and subtraction each read and write
-the logits.
+the logits. ``csrc/train_attention.c`` is training's attention for sentence-length sequences in fp32: one task per
+(sentence, head) reads Q, K and V where the projection wrote them, and computes the scores, the softmax and the
+output (then, backward, the four products' gradients) without the copies into contiguous blocks, the batched
+products of tiny matrices and the separate scale, mask and softmax passes of PyTorch's form.
 
-All three are plain C, compiled together on first use with the machine's C compiler for the vector instructions
+All four are plain C, compiled together on first use with the machine's C compiler for the vector instructions
 PyTorch's own kernels use here (``torch.backends.cpu.get_cpu_capability()``; AVX-512 BF16's dot products as
 well where attnmt runs bf16 natively on them, :func:`target`), cached under ``$ATTNMT_CACHE_DIR``
 (default ``~/.cache/attnmt``), and loaded with ``ctypes``: no PyTorch headers and no build step at install time.
-Where no compiler is found or the compilation fails, :func:`step_attention`, :func:`scores` and
-:func:`smoothed_loss` return None and the search and the loss keep PyTorch's forms; ``ATTNMT_CPU_KERNELS=0`` does
+Where no compiler is found or the compilation fails, :func:`step_attention`, :func:`scores`,
+:func:`smoothed_loss` and :func:`training_attention` return None and the search, the loss and attention keep
+PyTorch's forms; ``ATTNMT_CPU_KERNELS=0`` does
 the same on purpose (to compare, or to rule the kernels out).
 """
 
@@ -40,11 +44,11 @@ from torch import Tensor
 
 from attnmt.backends.capabilities import CpuCapabilities
 from attnmt.criterions import LossKernel
-from attnmt.models.interface import ScoreKernel, StepAttention, StepRows
+from attnmt.models.interface import ScoreKernel, StepAttention, StepRows, TrainingAttention
 
 SWITCH = "ATTNMT_CPU_KERNELS"
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                for name in ("step_attention.c", "logsumexp.c", "smoothed_loss.c"))
+                for name in ("step_attention.c", "logsumexp.c", "smoothed_loss.c", "train_attention.c"))
 HEADERS = (Path(__file__).with_name("csrc") / "vec.h",)
 # x86 vector instructions per PyTorch CPU capability; other CPUs compile for the compiler's default target
 _ISA_FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx2", "-mfma"],
@@ -241,6 +245,76 @@ class CompiledSmoothedLoss(LossKernel):
                                      torch.get_num_threads())
 
 
+def _strides(x: Tensor) -> Tensor:
+    """The (sentence, head, position) element strides of a (B, H, T, Dh) operand, for the kernel to read it as is."""
+    return torch.tensor(x.stride()[:3], dtype=torch.int64)
+
+
+class _FusedAttention(torch.autograd.Function):
+    """The compiled kernel's forward and backward as one autograd node; saves the probabilities (B, H, T, S)."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, is_causal: bool,
+                kernel: CompiledTrainingAttention) -> Tensor:
+        B, H, T, Dh = q.shape
+        S = k.size(2)
+        out = q.new_empty(B, H, T, Dh)
+        probs = q.new_empty(B, H, T, S)
+        qs, ks, vs = _strides(q), _strides(k), _strides(v)
+        kernel.forward_fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), qs.data_ptr(), ks.data_ptr(), vs.data_ptr(),
+                          None if keep is None else keep.data_ptr(), B, H, T, S, Dh, int(is_causal), Dh ** -0.5,
+                          out.data_ptr(), probs.data_ptr(), torch.get_num_threads())
+        ctx.save_for_backward(q, k, v, probs)
+        ctx.is_causal, ctx.kernel = is_causal, kernel
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        q, k, v, probs = ctx.saved_tensors
+        B, H, T, Dh = q.shape
+        S = k.size(2)
+        grad = grad.contiguous()
+        dq, dk, dv = q.new_empty(B, H, T, Dh), q.new_empty(B, H, S, Dh), q.new_empty(B, H, S, Dh)
+        qs, ks, vs = _strides(q), _strides(k), _strides(v)
+        ctx.kernel.backward_fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), qs.data_ptr(), ks.data_ptr(), vs.data_ptr(),
+                               B, H, T, S, Dh, int(ctx.is_causal), Dh ** -0.5, probs.data_ptr(), grad.data_ptr(),
+                               dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), torch.get_num_threads())
+        return dq, dk, dv, None, None, None
+
+
+class CompiledTrainingAttention(TrainingAttention):
+    """:class:`~attnmt.models.interface.TrainingAttention` by the compiled kernel (fp32), on
+    ``torch.get_num_threads()`` threads."""
+
+    def __init__(self, library: ctypes.CDLL):
+        p, i64, i32, f32 = _P, _I64, _I32, ctypes.c_float
+        self.forward_fn = library.train_attention_forward_f32
+        self.forward_fn.argtypes = [p, p, p, p, p, p, p, i64, i64, i64, i64, i32, i32, f32, p, p, i32]
+        self.forward_fn.restype = None
+        self.backward_fn = library.train_attention_backward_f32
+        self.backward_fn.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i32, i32, f32, p, p, p, p, p, i32]
+        self.backward_fn.restype = None
+        library.train_attention_max_dh.restype = library.train_attention_max_keys.restype = i32
+        self.max_head_dim = library.train_attention_max_dh()  # head sizes: multiples of 8 up to this
+        self.max_keys = library.train_attention_max_keys()
+
+    def supports(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:
+        B, H, _, Dh = q.shape
+        S = k.size(2)
+        return (all(x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 4 and x.stride(-1) == 1
+                    for x in (q, k, v))
+                and k.shape == v.shape == (B, H, S, Dh) and Dh % 8 == 0 and Dh <= self.max_head_dim
+                and 0 < S <= self.max_keys
+                and (mask is None or (mask.dtype == torch.bool and mask.shape == (B, 1, 1, S))))
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
+        if not self.supports(q, k, v, mask):
+            raise ValueError("the attention kernel takes fp32 CPU operands with contiguous heads of a multiple of 8 "
+                             f"up to {self.max_head_dim}, up to {self.max_keys} keys, and a (B, 1, 1, S) bool mask")
+        keep = None if mask is None else mask.reshape(mask.size(0), -1).contiguous().view(torch.uint8)
+        return _FusedAttention.apply(q, k, v, keep, is_causal, self)
+
+
 @functools.cache
 def library(isa: str) -> ctypes.CDLL | None:
     """The compiled kernels for PyTorch's CPU capability ``isa``, or None where they cannot be had (no compiler,
@@ -280,7 +354,14 @@ def smoothed_loss(isa: str) -> CompiledSmoothedLoss | None:
     return None if lib is None else CompiledSmoothedLoss(lib)
 
 
+@functools.cache
+def training_attention(isa: str) -> CompiledTrainingAttention | None:
+    """The compiled training attention for ``isa`` (one object per process), or None (see :func:`library`)."""
+    lib = library(isa)
+    return None if lib is None else CompiledTrainingAttention(lib)
+
+
 def clear() -> None:
     """Forget the loaded kernels (the next call builds or loads them again; for tests)."""
-    for fn in (library, step_attention, scores, smoothed_loss):
+    for fn in (library, step_attention, scores, smoothed_loss, training_attention):
         fn.cache_clear()

@@ -64,6 +64,21 @@ class StepAttention(ABC):
         (None: no padding)."""
 
 
+class TrainingAttention(ABC):
+    """softmax(Q K^T / sqrt(d_k)) V with its backward pass, each in one call (a backend's kernel), in place of the
+    plain matmul-softmax-matmul (``plain_attention`` in ``models/transformer.py``, without dropout): the same
+    value up to rounding. ``q`` (B, H, T, Dh), ``k`` and ``v`` (B, H, S, Dh), any strides with contiguous heads;
+    ``mask`` (B, 1, 1, S) bool (True = attend) or None; ``is_causal``: query i sees keys up to i."""
+
+    @abstractmethod
+    def supports(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:
+        """Whether the kernel takes these operands (dtype, device, sizes, layout)."""
+
+    @abstractmethod
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
+        """The attention output (B, H, T, Dh), differentiable in q, k and v."""
+
+
 class ScoreKernel(ABC):
     """What a beam search step needs of its logits, in one pass over them: each row's log-sum-exp and the maxima
     of its vocabulary blocks after a per-token bias (a backend's kernel). The candidate selection then reads the

@@ -6,7 +6,8 @@
   bias + ReLU for bf16 training on the CPU, weights prepacked for bf16 inference, int8 weights).
 * :class:`AttentionKernel`: attention modules choose between ``scaled_dot_product_attention`` and the plain
   matmul-softmax-matmul by the sequence length; the backend sets the length up to which the plain form runs
-  (:func:`set_plain_attention_max_len`).
+  (:func:`set_plain_attention_max_len`), and may give a kernel that computes the plain form, forward and backward,
+  in one call each (:func:`set_fused_attention`, a :class:`~attnmt.models.interface.TrainingAttention`).
 * :class:`DropoutKernel`: modules that drop activations in training draw their masks either with
   ``torch.nn.functional.dropout`` (the default: a GPU's fused kernel) or from raw random bits
   (``models/dropout.py``: several times cheaper on the CPU); the backend chooses (:func:`set_random_bit_dropout`).
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from attnmt.models.interface import TrainingAttention
 
 
 class Linear(nn.Linear):
@@ -33,6 +36,7 @@ class AttentionKernel:
     ``plain_attention_max_len`` long (0: never; fused SDPA kernels otherwise)."""
 
     plain_attention_max_len: int = 0
+    fused_attention: TrainingAttention | None = None  # computes the plain form where it supports the operands
 
     def use_plain_attention(self, queries: int, keys: int) -> bool:
         return max(queries, keys) <= self.plain_attention_max_len
@@ -43,6 +47,13 @@ def set_plain_attention_max_len(model: nn.Module, n: int) -> None:
     for m in model.modules():
         if isinstance(m, AttentionKernel):
             m.plain_attention_max_len = n
+
+
+def set_fused_attention(model: nn.Module, kernel: TrainingAttention | None) -> None:
+    """Give every attention module of ``model`` the kernel for its plain form (None: PyTorch's operations)."""
+    for m in model.modules():
+        if isinstance(m, AttentionKernel):
+            m.fused_attention = kernel
 
 
 class DropoutKernel:

@@ -374,7 +374,11 @@ class MultiHeadAttention(AttentionKernel, DropoutKernel, nn.Module):
         queries' packed ``rows``."""
         dropout_p = self.dropout if self.training else 0.0
         if self.use_plain_attention(q.size(-2), k.size(-2)) and (mask is None or mask.dtype == torch.bool):
-            out = plain_attention(q, k, v, mask, is_causal, dropout_p, self.random_bit_dropout)  # (B, H, T, Dh)
+            kernel = self.fused_attention
+            if kernel is not None and dropout_p == 0.0 and kernel.supports(q, k, v, mask):
+                out = kernel.attend(q, k, v, mask, is_causal)  # the same formula in one call (a backend's kernel)
+            else:
+                out = plain_attention(q, k, v, mask, is_causal, dropout_p, self.random_bit_dropout)  # (B, H, T, Dh)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                                  dropout_p=dropout_p)  # (B, H, T, Dh)

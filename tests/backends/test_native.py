@@ -436,3 +436,122 @@ def test_the_loss_with_its_kernel_equals_the_loss_without(monkeypatch, bf16, row
     for plain, compiled, exact in zip(*results, reference):
         plain_error, compiled_error = (float((x.double() - exact).abs().max()) for x in (plain, compiled))
         assert compiled_error <= 1.25 * plain_error + 1e-3 * float(exact.abs().max())
+
+
+ATTENTION = native.training_attention(native.target(capabilities.cpu()))
+
+
+def _heads(B, T, parts, H, Dh, g, dtype=torch.float32):
+    """``parts`` (B, H, T, Dh) views into one (B, T, parts * D) tensor, as a fused projection gives them, and it."""
+    x = torch.randn(B, T, parts * H * Dh, generator=g, dtype=dtype).requires_grad_(True)
+    return x, [t.view(B, T, H, Dh).transpose(1, 2) for t in x.chunk(parts, dim=-1)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", ["self", "causal", "cross", "packed"])
+@pytest.mark.parametrize("shape", [(3, 7, 9, 2, 64), (2, 13, 5, 3, 8), (4, 1, 1, 1, 128)])  # B, T, S, H, Dh
+def test_training_attention_gives_the_plain_forms_output_and_gradients(case, shape):
+    """Against the plain matmul-softmax-matmul in float64: the output and the gradients of the projections it
+    read Q, K and V from (strided views), with a key padding mask, a causal mask, or the packed decoder's
+    contiguous heads; key counts that are and are not multiples of 4 (the kernel's dot products in fours)."""
+    from attnmt.models.transformer import plain_attention
+
+    B, T, S, H, Dh = shape
+    g = torch.Generator().manual_seed(sum(shape))
+    mask = None
+    if case == "cross":
+        xq, (q,) = _heads(B, T, 1, H, Dh, g)
+        xkv, (k, v) = _heads(B, S, 2, H, Dh, g)
+        keep = torch.ones(B, S, dtype=torch.bool)
+        keep[0, S // 2 + 1:] = False  # the first sentence's source is padded
+        mask, leaves = keep[:, None, None, :], [xq, xkv]
+    else:
+        xqkv, (q, k, v) = _heads(B, T, 3, H, Dh, g)
+        leaves = [xqkv]
+        if case == "packed":  # contiguous (B, H, T, Dh) heads, as PackedRows.split_heads gives them
+            q, k, v = (t.contiguous() for t in (q, k, v))
+    causal = case in ("causal", "packed")
+    assert ATTENTION.supports(q, k, v, mask)
+    out = ATTENTION.attend(q, k, v, mask, causal)
+    dout = torch.randn(out.shape, generator=g)
+    grads = torch.autograd.grad(out, leaves, dout)
+
+    exact = [x.detach().double().requires_grad_(True) for x in leaves]
+    if case == "cross":
+        q64 = exact[0].view(B, T, H, Dh).transpose(1, 2)
+        k64, v64 = (t.view(B, S, H, Dh).transpose(1, 2) for t in exact[1].chunk(2, dim=-1))
+    else:
+        q64, k64, v64 = (t.view(B, T, H, Dh).transpose(1, 2) for t in exact[0].chunk(3, dim=-1))
+    ref = plain_attention(q64, k64, v64, mask, causal, 0.0)
+    ref_grads = torch.autograd.grad(ref, exact, dout.double())
+    assert out.dtype == torch.float32 and out.shape == (B, H, T, Dh)
+    assert torch.allclose(out.double(), ref, atol=2e-6)
+    for got, want in zip(grads, ref_grads):
+        assert torch.allclose(got.double(), want, atol=2e-5)
+
+
+@needs_kernel
+def test_training_attention_gives_a_query_that_sees_no_key_zeros():
+    """The kernel's rule for a query whose keys are all masked (the model's masks never make one): a zero output
+    and zero gradients, where the products would give NaN."""
+    g = torch.Generator().manual_seed(1)
+    x, (q, k, v) = _heads(2, 3, 3, 2, 8, g)
+    keep = torch.tensor([[True, True, False], [False, False, False]])
+    out = ATTENTION.attend(q, k, v, keep[:, None, None, :], False)
+    assert not out[1].any() and out[0].abs().sum() > 0
+    (grad,) = torch.autograd.grad(out.sum(), x)
+    assert torch.isfinite(grad).all() and not grad[1].any()
+
+
+@needs_kernel
+def test_what_the_training_attention_takes():
+    g = torch.Generator().manual_seed(2)
+    _, (q, k, v) = _heads(2, 5, 3, 2, 16, g)
+    assert ATTENTION.supports(q, k, v, None)
+    half = [t.bfloat16() for t in (q, k, v)]
+    assert not ATTENTION.supports(*half, None)  # fp32 only: bf16 keeps PyTorch's products
+    _, (q12, k12, v12) = _heads(2, 5, 3, 2, 12, g)
+    assert not ATTENTION.supports(q12, k12, v12, None)  # heads of a multiple of 8
+    _, (ql, kl, vl) = _heads(1, ATTENTION.max_keys + 1, 3, 1, 8, g)
+    assert not ATTENTION.supports(ql, kl, vl, None)  # longer sequences keep PyTorch's products
+    assert not ATTENTION.supports(q, k, v, torch.ones(2, 1, 5, 5, dtype=torch.bool))  # a mask per query
+    assert not ATTENTION.supports(q.transpose(-1, -2), k, v, None)
+    with pytest.raises(ValueError, match="attention kernel takes"):
+        ATTENTION.attend(*half, None, False)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kernels", ["1", "0"])
+def test_the_cpu_backend_trains_with_the_attention_kernel_and_the_same_gradients(monkeypatch, kernels):
+    """``prepare_training`` gives the attention modules the kernel (none when switched off), and a training
+    step's loss and gradients are those of PyTorch's plain attention."""
+    from attnmt.models.linear import AttentionKernel, set_fused_attention
+
+    monkeypatch.setenv(native.SWITCH, kernels)
+    native.clear()
+    try:
+        model = tiny_transformer()
+        CpuBackend(torch.device("cpu")).prepare_training(model)
+        attention = [m for m in model.modules() if isinstance(m, AttentionKernel)]
+        assert len(attention) == 2 + 2 * 2  # encoder self-attention, decoder self- and cross-attention
+        if kernels == "0":
+            assert all(m.fused_attention is None for m in attention)
+            return
+        assert all(isinstance(m.fused_attention, native.CompiledTrainingAttention) for m in attention)
+        g = torch.Generator().manual_seed(3)
+        src = torch.randint(4, 30, (4, 6), generator=g)
+        src[1, 4:] = 1  # padding
+        prev = torch.randint(4, 30, (4, 5), generator=g)
+        prev[2, 3:] = 1
+        keep = prev.ne(1)
+        results = []
+        for kernel in (attention[0].fused_attention, None):
+            set_fused_attention(model, kernel)
+            model.zero_grad()
+            h = model(src, src.ne(1).sum(1), prev, output_mask=keep, features_only=True)
+            (h * torch.linspace(-1, 1, h.numel()).view_as(h)).sum().backward()
+            results.append([h.detach()] + [p.grad.clone() for p in model.parameters() if p.grad is not None])
+        for a, b in zip(*results):
+            assert torch.allclose(a, b, atol=1e-5)
+    finally:
+        native.clear()

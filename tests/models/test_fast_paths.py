@@ -56,6 +56,7 @@ def test_plain_attention_equals_sdpa(causal):
 def test_cpu_attention_math_runs_the_plain_kernel_with_the_same_result():
     import attnmt.models.transformer as T
     from attnmt.backends import backend_for
+    from attnmt.models.linear import set_fused_attention
 
     model = small_model().eval()
     b = small_batch()
@@ -72,6 +73,7 @@ def test_cpu_attention_math_runs_the_plain_kernel_with_the_same_result():
         T.plain_attention = counting
         try:
             backend_for("cpu").prepare_training(model, "math")
+            set_fused_attention(model, None)  # PyTorch's operations (the compiled form: tests/backends/test_native.py)
             out = model(net["src_tokens"], net["src_lengths"], net["prev_output_tokens"])
         finally:
             T.plain_attention = original

@@ -1,0 +1,185 @@
+/* Scaled dot-product attention for training, fp32: softmax(Q K^T / sqrt(d)) V for each (sentence, head) pair,
+ * forward and backward, each in one call.
+ *
+ * For sentence-length sequences PyTorch's form is two batched products of tiny matrices (a few dozen rows of
+ * 64) with copies of Q, K and V into contiguous blocks, a scale, a mask and a softmax between them, each a pass
+ * of its own; here one task per (sentence, head) reads its rows of Q, K, V where they lie (any row strides: the
+ * heads of a fused projection's output), keeps a query's scores in a small buffer and writes its probabilities
+ * (which the backward pass needs, as PyTorch's softmax saves its output) and its output row.
+ *
+ * Forward, for query i: s_j = q_i . k_j * scale for the keys j it may see (j <= i with `causal`; keep[b, j]
+ * where a key padding mask is given), p = softmax(s), o_i = sum_j p_j v_j. A query that may see no key gets
+ * zero probabilities and output.
+ * Backward, with dO: dP_ij = dO_i . v_j, D_i = sum_j P_ij dP_ij, dS_ij = P_ij (dP_ij - D_i) scale;
+ * dQ_i = sum_j dS_ij k_j, dK_j = sum_i dS_ij q_i, dV_j = sum_i P_ij dO_i.
+ *
+ * Head sizes: multiples of 8 up to MAX_DH; keys: up to MAX_KEYS (longer sequences keep PyTorch's kernels). */
+#include "vec.h"
+
+#define MAX_DH 128
+#define MAX_KEYS 256
+
+int train_attention_max_dh(void) { return MAX_DH; }
+int train_attention_max_keys(void) { return MAX_KEYS; }
+
+/* lanes of two vectors picked by index (0-7: a's, 8-15: b's), in GCC's spelling or Clang's */
+#if defined(__clang__)
+#define SHUFFLE(a, b, i0, i1, i2, i3, i4, i5, i6, i7) __builtin_shufflevector(a, b, i0, i1, i2, i3, i4, i5, i6, i7)
+#else
+#define SHUFFLE(a, b, i0, i1, i2, i3, i4, i5, i6, i7) __builtin_shuffle(a, b, (i8v){i0, i1, i2, i3, i4, i5, i6, i7})
+#endif
+
+/* a . b over dh (a multiple of 8) */
+static inline float dot(const float *a, const float *b, int dh)
+{
+    f8 acc = SPLAT(0.0f), acc2 = SPLAT(0.0f);
+    int d = 0;
+    for (; d + 16 <= dh; d += 16) {
+        acc += load8(a, d, 0) * load8(b, d, 0);
+        acc2 += load8(a, d + 8, 0) * load8(b, d + 8, 0);
+    }
+    for (; d < dh; d += 8)
+        acc += load8(a, d, 0) * load8(b, d, 0);
+    return hsum8(acc + acc2);
+}
+
+/* the sums of the lanes of a, b, c, d */
+static inline void hsum4(f8 a, f8 b, f8 c, f8 d, float *out)
+{
+    /* u = (a0+a1, b0+b1, a2+a3, b2+b3, ...), w the same of c and d, y = (a0..3, b0..3, c0..3, d0..3, a4..7, ...) */
+    const f8 u = SHUFFLE(a, b, 0, 8, 2, 10, 4, 12, 6, 14) + SHUFFLE(a, b, 1, 9, 3, 11, 5, 13, 7, 15);
+    const f8 w = SHUFFLE(c, d, 0, 8, 2, 10, 4, 12, 6, 14) + SHUFFLE(c, d, 1, 9, 3, 11, 5, 13, 7, 15);
+    const f8 y = SHUFFLE(u, w, 0, 1, 8, 9, 4, 5, 12, 13) + SHUFFLE(u, w, 2, 3, 10, 11, 6, 7, 14, 15);
+    out[0] = y[0] + y[4];
+    out[1] = y[1] + y[5];
+    out[2] = y[2] + y[6];
+    out[3] = y[3] + y[7];
+}
+
+/* s[j] = a . rows j of x (row stride `stride`), j < n */
+static inline void dots(const float *a, const float *x, int64_t stride, int64_t n, int dh, float *s)
+{
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        const float *x0 = x + j * stride, *x1 = x0 + stride, *x2 = x1 + stride, *x3 = x2 + stride;
+        f8 a0 = SPLAT(0.0f), a1 = SPLAT(0.0f), a2 = SPLAT(0.0f), a3 = SPLAT(0.0f);
+        for (int d = 0; d < dh; d += 8) {
+            const f8 ad = load8(a, d, 0);
+            a0 += ad * load8(x0, d, 0);
+            a1 += ad * load8(x1, d, 0);
+            a2 += ad * load8(x2, d, 0);
+            a3 += ad * load8(x3, d, 0);
+        }
+        hsum4(a0, a1, a2, a3, s + j);
+    }
+    for (; j < n; j++)
+        s[j] = dot(a, x + j * stride, dh);
+}
+
+/* y += a x over dh */
+static inline void axpy(float *y, float a, const float *x, int dh)
+{
+    const f8 av = SPLAT(a);
+    for (int d = 0; d < dh; d += 8) {
+        f8 t = load8(y, d, 0) + av * load8(x, d, 0);
+        memcpy(y + d, &t, sizeof t);
+    }
+}
+
+/* query i sees keys [0, key_limit) (less the masked ones) */
+static inline int64_t key_limit(int64_t i, int64_t S, int causal) { return causal ? (i + 1 < S ? i + 1 : S) : S; }
+
+/* out (B, H, T, dh) and probs (B, H, T, S), both contiguous, from q (B, H, T, dh), k and v (B, H, S, dh) at
+   element strides qs/ks/vs = (sentence, head, position); keep (B, S) bytes, 0 = masked key, or NULL */
+void train_attention_forward_f32(const float *q, const float *k, const float *v, const int64_t *qs,
+                                 const int64_t *ks, const int64_t *vs, const uint8_t *keep, int64_t B, int64_t H,
+                                 int64_t T, int64_t S, int dh, int causal, float scale, float *out, float *probs,
+                                 int threads)
+{
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t bh = 0; bh < B * H; bh++) {
+        const int64_t b = bh / H, h = bh % H;
+        const float *qb = q + b * qs[0] + h * qs[1], *kb = k + b * ks[0] + h * ks[1], *vb = v + b * vs[0] + h * vs[1];
+        const uint8_t *kp = keep ? keep + b * S : 0;
+        float sc[MAX_KEYS];
+        for (int64_t i = 0; i < T; i++) {
+            float *p = probs + (bh * T + i) * S;
+            const int64_t lim = key_limit(i, S, causal);
+            dots(qb + i * qs[2], kb, ks[2], lim, dh, sc);
+            float m = -INFINITY;
+            for (int64_t j = 0; j < lim; j++) {
+                float s = (kp && !kp[j]) ? -INFINITY : sc[j] * scale;
+                p[j] = s;
+                m = s > m ? s : m;
+            }
+            float l = 0.0f;
+            for (int64_t j = 0; j < lim; j++) {
+                float e = p[j] == -INFINITY ? 0.0f : expf(p[j] - m);
+                p[j] = e;
+                l += e;
+            }
+            const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+            f8 acc[MAX_DH / 8];
+            for (int d = 0; d < dh / 8; d++)
+                acc[d] = SPLAT(0.0f);
+            for (int64_t j = 0; j < lim; j++) {
+                p[j] *= inv;
+                if (p[j] == 0.0f)
+                    continue;
+                const f8 pj = SPLAT(p[j]);
+                const float *vj = vb + j * vs[2];
+                for (int d = 0; d < dh / 8; d++)
+                    acc[d] += pj * load8(vj, d * 8, 0);
+            }
+            for (int64_t j = lim; j < S; j++)
+                p[j] = 0.0f;
+            float *o = out + (bh * T + i) * dh;
+            memcpy(o, acc, dh * sizeof(float));
+        }
+    }
+}
+
+/* dq (B, H, T, dh), dk and dv (B, H, S, dh), contiguous, from the forward's inputs, its probs and the output's
+   gradient dout (B, H, T, dh), contiguous; masked keys have zero probabilities, so they need no mask here */
+void train_attention_backward_f32(const float *q, const float *k, const float *v, const int64_t *qs,
+                                  const int64_t *ks, const int64_t *vs, int64_t B, int64_t H, int64_t T, int64_t S,
+                                  int dh, int causal, float scale, const float *probs, const float *dout, float *dq,
+                                  float *dk, float *dv, int threads)
+{
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t bh = 0; bh < B * H; bh++) {
+        const int64_t b = bh / H, h = bh % H;
+        const float *qb = q + b * qs[0] + h * qs[1], *kb = k + b * ks[0] + h * ks[1], *vb = v + b * vs[0] + h * vs[1];
+        float *dkb = dk + bh * S * dh, *dvb = dv + bh * S * dh;
+        memset(dkb, 0, S * dh * sizeof(float));
+        memset(dvb, 0, S * dh * sizeof(float));
+        float ds[MAX_KEYS];
+        for (int64_t i = 0; i < T; i++) {
+            const float *p = probs + (bh * T + i) * S, *go = dout + (bh * T + i) * dh, *qi = qb + i * qs[2];
+            const int64_t lim = key_limit(i, S, causal);
+            dots(go, vb, vs[2], lim, dh, ds);
+            float D = 0.0f;
+            for (int64_t j = 0; j < lim; j++) {
+                if (p[j] == 0.0f)
+                    continue;
+                const float dp = ds[j];
+                D += p[j] * dp;
+                axpy(dvb + j * dh, p[j], go, dh);
+            }
+            f8 acc[MAX_DH / 8];
+            for (int d = 0; d < dh / 8; d++)
+                acc[d] = SPLAT(0.0f);
+            for (int64_t j = 0; j < lim; j++) {
+                if (p[j] == 0.0f)
+                    continue;
+                const float g = p[j] * (ds[j] - D) * scale;
+                const f8 gv = SPLAT(g);
+                const float *kj = kb + j * ks[2];
+                for (int d = 0; d < dh / 8; d++)
+                    acc[d] += gv * load8(kj, d * 8, 0);
+                axpy(dkb + j * dh, g, qi, dh);
+            }
+            memcpy(dq + (bh * T + i) * dh, acc, dh * sizeof(float));
+        }
+    }
+}
