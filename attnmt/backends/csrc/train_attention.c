@@ -108,17 +108,25 @@ void train_attention_forward_f32(const float *q, const float *k, const float *v,
             dots(qb + i * qs[2], kb, ks[2], lim, dh, sc);
             float m = -INFINITY;
             for (int64_t j = 0; j < lim; j++) {
-                float s = (kp && !kp[j]) ? -INFINITY : sc[j] * scale;
-                p[j] = s;
-                m = s > m ? s : m;
+                sc[j] = (kp && !kp[j]) ? -INFINITY : sc[j] * scale;
+                m = sc[j] > m ? sc[j] : m;
             }
             float l = 0.0f;
-            for (int64_t j = 0; j < lim; j++) {
-                float e = p[j] == -INFINITY ? 0.0f : expf(p[j] - m);
-                p[j] = e;
-                l += e;
+            if (m > -INFINITY) { /* exp(s - max) eight keys at a time (a masked key's -inf gives 0) */
+                const int64_t lim8 = (lim + 7) / 8 * 8;
+                for (int64_t j = lim; j < lim8; j++)
+                    sc[j] = -INFINITY;
+                f8 sum = SPLAT(0.0f);
+                for (int64_t j = 0; j < lim8; j += 8) {
+                    const f8 e = exp8(load8(sc, j, 0) - SPLAT(m));
+                    memcpy(sc + j, &e, sizeof e);
+                    sum += e;
+                }
+                l = hsum8(sum);
             }
             const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+            for (int64_t j = 0; j < lim; j++)
+                p[j] = l > 0.0f ? sc[j] : 0.0f;
             f8 acc[MAX_DH / 8];
             for (int d = 0; d < dh / 8; d++)
                 acc[d] = SPLAT(0.0f);
