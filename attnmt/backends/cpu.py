@@ -19,7 +19,9 @@ What it decides, once per run (see ``capabilities.py`` for how the CPU is detect
   where the projection wrote them, no batched products of tiny matrices; ``ATTNMT_CPU_KERNELS=0`` keeps
   PyTorch's).
 * **Dropout masks.** Training draws dropout masks from raw random bits, one integer pass per mask, instead of
-  ``bernoulli_`` (a float per element) and two more passes (``attnmt/models/dropout.py``; ``DropoutKernel``).
+  ``bernoulli_`` (a float per element) and two more passes (``attnmt/models/dropout.py``; ``DropoutKernel``);
+  where the machine has a C compiler, the compiled kernel of :mod:`attnmt.backends.native` computes each mask
+  from a seed and the element's index in the pass that applies it, forward and backward, and stores none.
 * **Decoding kernels.** Where the machine has a C compiler, a one-token decoding step attends over the beam cache
   through the compiled kernel of :mod:`attnmt.backends.native` (each row reads only its own history's slots, in
   one call), and the candidate selection reads each row's log-sum-exp and block maxima from its other kernel
@@ -57,7 +59,13 @@ from attnmt.backends import capabilities
 from attnmt.backends.base import Backend, DecodingKernels, Mode, swap_linears
 from attnmt.backends.onednn import quantize_u8_affine
 from attnmt.errors import UserError
-from attnmt.models.linear import Linear, set_fused_attention, set_plain_attention_max_len, set_random_bit_dropout
+from attnmt.models.linear import (
+    Linear,
+    set_dropout_masks,
+    set_fused_attention,
+    set_plain_attention_max_len,
+    set_random_bit_dropout,
+)
 
 PLAIN_ATTENTION_MAX_LEN = 256
 INT8_ONEDNN_MIN_ROWS = 128  # int8 products of this many rows or more run oneDNN's kernel (Int8Linear)
@@ -172,6 +180,7 @@ class CpuBackend(Backend):
 
         set_fused_attention(model, native.training_attention(native.target(self.caps)))
         set_random_bit_dropout(model, True)
+        set_dropout_masks(model, native.dropout_masks(native.target(self.caps)))
         from attnmt.backends.onednn import TrainingLinear
 
         if self.precision == "bf16" and self.caps.fused_linear:

@@ -44,11 +44,11 @@ from torch import Tensor
 
 from attnmt.backends.capabilities import CpuCapabilities
 from attnmt.criterions import LossKernel
-from attnmt.models.interface import ScoreKernel, StepAttention, StepRows, TrainingAttention
+from attnmt.models.interface import DropoutMasks, ScoreKernel, StepAttention, StepRows, TrainingAttention
 
 SWITCH = "ATTNMT_CPU_KERNELS"
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                for name in ("step_attention.c", "logsumexp.c", "smoothed_loss.c", "train_attention.c"))
+                for name in ("step_attention.c", "logsumexp.c", "smoothed_loss.c", "train_attention.c", "dropout.c"))
 HEADERS = (Path(__file__).with_name("csrc") / "vec.h",)
 # x86 vector instructions per PyTorch CPU capability; other CPUs compile for the compiler's default target
 _ISA_FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx2", "-mfma"],
@@ -315,6 +315,33 @@ class CompiledTrainingAttention(TrainingAttention):
         return _FusedAttention.apply(q, k, v, keep, is_causal, self)
 
 
+class CompiledDropout(DropoutMasks):
+    """:class:`~attnmt.models.interface.DropoutMasks` by the compiled kernel (fp32 and bf16), on
+    ``torch.get_num_threads()`` threads."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self.functions = _bind(library, "dropout_add", [_P, _P, _P, _I64, _I32, ctypes.c_float, ctypes.c_uint64,
+                                                        _I64, _I32])
+        library.dropout_block_elements.restype = _I32
+        self.block = library.dropout_block_elements()
+
+    def supports(self, y: Tensor, x: Tensor | None) -> bool:
+        return (y.dtype in self.functions and y.device.type == "cpu" and y.is_contiguous()
+                and (x is None or (x.dtype == y.dtype and x.shape == y.shape and x.device == y.device
+                                   and x.is_contiguous())))
+
+    def apply(self, x: Tensor | None, y: Tensor, threshold: int, scale: float, seed: int) -> Tensor:
+        if not self.supports(y, x):
+            raise ValueError("the dropout kernel takes contiguous fp32 or bf16 CPU tensors of one dtype and shape")
+        if not 0 < threshold < 2**15:
+            raise ValueError(f"the drop threshold must be in (0, 2^15), got {threshold}")
+        out = torch.empty_like(y)
+        n = y.numel()
+        self.functions[y.dtype](None if x is None else x.data_ptr(), y.data_ptr(), out.data_ptr(), n, threshold,
+                                scale, seed % 2**64, -(-n // self.block), torch.get_num_threads())
+        return out
+
+
 @functools.cache
 def library(isa: str) -> ctypes.CDLL | None:
     """The compiled kernels for PyTorch's CPU capability ``isa``, or None where they cannot be had (no compiler,
@@ -361,7 +388,14 @@ def training_attention(isa: str) -> CompiledTrainingAttention | None:
     return None if lib is None else CompiledTrainingAttention(lib)
 
 
+@functools.cache
+def dropout_masks(isa: str) -> CompiledDropout | None:
+    """The compiled dropout for ``isa`` (one object per process), or None (see :func:`library`)."""
+    lib = library(isa)
+    return None if lib is None else CompiledDropout(lib)
+
+
 def clear() -> None:
     """Forget the loaded kernels (the next call builds or loads them again; for tests)."""
-    for fn in (library, step_attention, scores, smoothed_loss, training_attention):
+    for fn in (library, step_attention, scores, smoothed_loss, training_attention, dropout_masks):
         fn.cache_clear()

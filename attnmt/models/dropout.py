@@ -10,7 +10,12 @@ two more passes; in a bf16 training step of the small Transformer that was about
   of 2^-15, and kept elements are scaled by the exact ``1 / (1 - p_rounded)``, so the output is unbiased.
   Drawing the random numbers is most of a mask's cost: 16-bit lanes for fp32 too (instead of 32-bit ones)
   halve it, and made fp32 training updates 2.4% faster on an AVX2 CPU (docs/results.md);
-* ``x + dropout(y)``, the residual connection, is one ``addcmul`` (forward) and one multiply (backward).
+* ``x + dropout(y)``, the residual connection, is one ``addcmul`` (forward) and one multiply (backward);
+* where the backend gives a kernel for the masks (``DropoutKernel.dropout_masks``, a
+  :class:`~attnmt.models.interface.DropoutMasks`: the CPU's compiled one), each element's 15 bits come from a
+  hash of a seed and its index, inside the one pass that applies them: forward and backward each read and write
+  the activations once, and no mask is stored (the backward pass computes it again from the seed). The drop
+  probability and the scale are the same; the seed is one draw from the global generator per call.
 
 The backend chooses these masks (``DropoutKernel.random_bit_dropout``, set by the CPU backend for training);
 without that choice, in other dtypes, or with ``p == 0`` these fall back to ``torch.nn.functional.dropout``.
@@ -24,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnmt.models.interface import DropoutMasks
 from attnmt.models.linear import DropoutKernel
 
 # activation dtype -> (integer dtype of the same width, bit pattern of 1.0 in that dtype)
@@ -92,19 +98,50 @@ class _DropoutAdd(torch.autograd.Function):
         return grad.to(ctx.x_dtype), grad_y, None
 
 
-def dropout(y: Tensor, p: float, training: bool, random_bits: bool = False) -> Tensor:
-    """``F.dropout(y, p, training)``, with the mask from raw random bits when ``random_bits``."""
+class _SeededDropoutAdd(torch.autograd.Function):
+    """``x + dropout(y)`` (``dropout(y)`` without x) by a :class:`DropoutMasks` kernel: the mask from a seed drawn
+    here, computed again from it in backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor | None, y: Tensor, p: float, masks: DropoutMasks) -> Tensor:
+        threshold = round(p * 2**_VALUE_BITS)
+        scale = 2**_VALUE_BITS / (2**_VALUE_BITS - threshold)
+        seed = int(torch.empty((), dtype=torch.int64).random_())  # from the global generator: seeded runs repeat
+        ctx.args = (threshold, scale, seed, masks, y.dtype, None if x is None else x.dtype)
+        return masks.apply(x, y, threshold, scale, seed)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        threshold, scale, seed, masks, y_dtype, x_dtype = ctx.args
+        grad_y = masks.apply(None, grad.to(y_dtype).contiguous(), threshold, scale, seed)
+        return None if x_dtype is None else grad.to(x_dtype), grad_y, None, None
+
+
+def _seeded(masks: DropoutMasks | None, y: Tensor, x: Tensor | None, p: float) -> bool:
+    return masks is not None and _fast(y, p, True) and masks.supports(y, x)
+
+
+def dropout(y: Tensor, p: float, training: bool, random_bits: bool = False,
+            masks: DropoutMasks | None = None) -> Tensor:
+    """``F.dropout(y, p, training)``, with the mask from raw random bits when ``random_bits``, or computed by
+    ``masks`` where it takes ``y``."""
     if not training or p == 0.0:
         return y
+    if _seeded(masks, y, None, p):
+        return _SeededDropoutAdd.apply(None, y, p, masks)
     if _fast(y, p, random_bits):
         return _Dropout.apply(y, p)
     return F.dropout(y, p, True)
 
 
-def dropout_add(x: Tensor, y: Tensor, p: float, training: bool, random_bits: bool = False) -> Tensor:
-    """``x + F.dropout(y, p, training)``; with ``random_bits``, one fused pass and the mask from raw random bits."""
+def dropout_add(x: Tensor, y: Tensor, p: float, training: bool, random_bits: bool = False,
+                masks: DropoutMasks | None = None) -> Tensor:
+    """``x + F.dropout(y, p, training)``; with ``random_bits``, one fused pass and the mask from raw random bits;
+    with ``masks`` (where it takes x and y), one pass that computes the mask too."""
     if not training or p == 0.0:
         return x + y
+    if _seeded(masks, y, x, p):
+        return _SeededDropoutAdd.apply(x, y, p, masks)
     if _fast(y, p, random_bits):
         return _DropoutAdd.apply(x, y, p)
     return x + F.dropout(y, p, True)
@@ -118,11 +155,11 @@ class Dropout(DropoutKernel, nn.Module):
         self.p = p
 
     def forward(self, y: Tensor) -> Tensor:
-        return dropout(y, self.p, self.training, self.random_bit_dropout)
+        return dropout(y, self.p, self.training, self.random_bit_dropout, self.dropout_masks)
 
     def add(self, x: Tensor, y: Tensor) -> Tensor:
         """``x + self(y)``: the residual connection around a sub-layer."""
-        return dropout_add(x, y, self.p, self.training, self.random_bit_dropout)
+        return dropout_add(x, y, self.p, self.training, self.random_bit_dropout, self.dropout_masks)
 
     def extra_repr(self) -> str:
         return f"p={self.p}"

@@ -79,6 +79,21 @@ class TrainingAttention(ABC):
         """The attention output (B, H, T, Dh), differentiable in q, k and v."""
 
 
+class DropoutMasks(ABC):
+    """Dropout whose mask is a function of a seed and each element's index (a backend's kernel): ``x + keep * y *
+    scale`` in one pass, where element e is kept when 15 bits drawn from (seed, e) are >= ``threshold`` (P(drop) =
+    threshold / 2^15, scale = 2^15 / (2^15 - threshold)). The backward pass is the same call on the gradient,
+    with the same seed and no ``x``: no mask is stored."""
+
+    @abstractmethod
+    def supports(self, y: Tensor, x: Tensor | None) -> bool:
+        """Whether the kernel takes these operands (dtype, device, layout)."""
+
+    @abstractmethod
+    def apply(self, x: Tensor | None, y: Tensor, threshold: int, scale: float, seed: int) -> Tensor:
+        """``x + keep * y * scale`` (``keep * y * scale`` without ``x``), a new tensor shaped as ``y``."""
+
+
 class ScoreKernel(ABC):
     """What a beam search step needs of its logits, in one pass over them: each row's log-sum-exp and the maxima
     of its vocabulary blocks after a per-token bias (a backend's kernel). The candidate selection then reads the

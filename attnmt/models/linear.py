@@ -10,7 +10,9 @@
   in one call each (:func:`set_fused_attention`, a :class:`~attnmt.models.interface.TrainingAttention`).
 * :class:`DropoutKernel`: modules that drop activations in training draw their masks either with
   ``torch.nn.functional.dropout`` (the default: a GPU's fused kernel) or from raw random bits
-  (``models/dropout.py``: several times cheaper on the CPU); the backend chooses (:func:`set_random_bit_dropout`).
+  (``models/dropout.py``: several times cheaper on the CPU); the backend chooses (:func:`set_random_bit_dropout`),
+  and may give a kernel that computes the same masks from a seed and the element's index inside the pass that
+  applies them (:func:`set_dropout_masks`, a :class:`~attnmt.models.interface.DropoutMasks`).
 
 The model never asks which device it runs on.
 """
@@ -20,7 +22,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnmt.models.interface import TrainingAttention
+from attnmt.models.interface import DropoutMasks, TrainingAttention
 
 
 class Linear(nn.Linear):
@@ -61,6 +63,7 @@ class DropoutKernel:
     random bits (:func:`attnmt.models.dropout.keep_mask`), else from ``torch.nn.functional.dropout``."""
 
     random_bit_dropout: bool = False
+    dropout_masks: DropoutMasks | None = None  # computes the masks in the pass that applies them, where it can
 
 
 def set_random_bit_dropout(model: nn.Module, on: bool) -> None:
@@ -68,3 +71,10 @@ def set_random_bit_dropout(model: nn.Module, on: bool) -> None:
     for m in model.modules():
         if isinstance(m, DropoutKernel):
             m.random_bit_dropout = on
+
+
+def set_dropout_masks(model: nn.Module, kernel: DropoutMasks | None) -> None:
+    """Give every module of ``model`` that has dropout the kernel for its masks (None: tensor operations)."""
+    for m in model.modules():
+        if isinstance(m, DropoutKernel):
+            m.dropout_masks = kernel

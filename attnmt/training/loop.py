@@ -92,6 +92,8 @@ def _train(data_bin, setup: Setup, cfg: TrainConfig, extra_validators, dist_cfg:
     model = task.build_model(model_name, model_cfg).to(device)
     backend = backend_for(device, precision)
     backend.prepare_training(model, cfg.cpu_attention)  # before the optimizer and DDP see the modules
+    if cfg.world_size > 1:  # every rank built the same weights; from here on each draws its own dropout masks
+        torch.manual_seed(cfg.seed + cfg.rank)
     criterion = task.build_criterion(setup.criterion, setup.criterion_cfg)
     backend.prepare_criterion(criterion)
     lr_scheduler = build_lr_scheduler(setup.lr_scheduler, setup.lr_scheduler_cfg)

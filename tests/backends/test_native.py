@@ -522,10 +522,11 @@ def test_what_the_training_attention_takes():
 
 @needs_kernel
 @pytest.mark.parametrize("kernels", ["1", "0"])
-def test_the_cpu_backend_trains_with_the_attention_kernel_and_the_same_gradients(monkeypatch, kernels):
-    """``prepare_training`` gives the attention modules the kernel (none when switched off), and a training
-    step's loss and gradients are those of PyTorch's plain attention."""
-    from attnmt.models.linear import AttentionKernel, set_fused_attention
+def test_the_cpu_backend_trains_with_the_compiled_attention_and_dropout(monkeypatch, kernels):
+    """``prepare_training`` gives the attention modules the attention kernel and every module with dropout the
+    dropout kernel (none when switched off); a training step's loss and gradients are those of PyTorch's plain
+    attention."""
+    from attnmt.models.linear import AttentionKernel, DropoutKernel, set_fused_attention
 
     monkeypatch.setenv(native.SWITCH, kernels)
     native.clear()
@@ -534,10 +535,14 @@ def test_the_cpu_backend_trains_with_the_attention_kernel_and_the_same_gradients
         CpuBackend(torch.device("cpu")).prepare_training(model)
         attention = [m for m in model.modules() if isinstance(m, AttentionKernel)]
         assert len(attention) == 2 + 2 * 2  # encoder self-attention, decoder self- and cross-attention
+        dropouts = [m for m in model.modules() if isinstance(m, DropoutKernel)]
+        assert len(dropouts) > len(attention)
         if kernels == "0":
             assert all(m.fused_attention is None for m in attention)
+            assert all(m.dropout_masks is None for m in dropouts)
             return
         assert all(isinstance(m.fused_attention, native.CompiledTrainingAttention) for m in attention)
+        assert all(isinstance(m.dropout_masks, native.CompiledDropout) for m in dropouts)
         g = torch.Generator().manual_seed(3)
         src = torch.randint(4, 30, (4, 6), generator=g)
         src[1, 4:] = 1  # padding
@@ -555,3 +560,83 @@ def test_the_cpu_backend_trains_with_the_attention_kernel_and_the_same_gradients
             assert torch.allclose(a, b, atol=1e-5)
     finally:
         native.clear()
+
+
+DROPOUT = native.dropout_masks(native.target(capabilities.cpu()))
+_M32 = 0xFFFFFFFF
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finalizer on int64 tensors holding uint32 values."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _M32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
+def _kept(n: int, threshold: int, seed: int) -> torch.Tensor:
+    """The mask the kernel documents: element e kept when 15 bits of hash(seed, e) are >= threshold."""
+    e = torch.arange(n, dtype=torch.int64)
+    h = _fmix32((e & _M32) ^ (seed & _M32))
+    return (_fmix32(h ^ (e >> 32) ^ (seed >> 32)) & 0x7FFF) >= threshold
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [5, 1003, 40_000])  # the scalar tail alone, a tail, several blocks
+@pytest.mark.parametrize("add", [False, True])
+def test_dropout_kernel_applies_the_documented_mask(dtype, n, add):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g).to(dtype) if add else None
+    y = torch.randn(n, generator=g).to(dtype)
+    threshold, seed = 9830, 0x9E3779B97F4A7C15  # p = 0.3, a seed with both halves set
+    scale = 2**15 / (2**15 - threshold)
+    out = DROPOUT.apply(x, y, threshold, scale, seed)
+    keep = _kept(n, threshold, seed)
+    expected = torch.where(keep, y.float() * scale, torch.zeros(()))
+    if add:
+        expected = x.float() + expected
+    assert out.dtype == dtype and torch.equal(out, expected.to(dtype))  # one rounding, at the end
+
+
+@needs_kernel
+def test_dropout_kernel_masks_drop_at_the_rate_asked_independently_and_per_seed():
+    n, threshold = 1 << 20, 6554  # p = 0.2
+    y = torch.ones(n)
+    out = DROPOUT.apply(None, y, threshold, 1.25, 12345)
+    dropped = out == 0
+    p = threshold / 2**15
+    assert abs(float(dropped.float().mean()) - p) < 5 * (p * (1 - p) / n) ** 0.5
+    both = (dropped[:-1] & dropped[1:]).float().mean()  # neighbours, as counters 2k and 2k + 1 could correlate
+    assert abs(float(both) - p * p) < 5 * (p * p * (1 - p * p) / n) ** 0.5
+    assert torch.equal(out[~dropped], torch.full((int((~dropped).sum()),), 1.25))
+    other = DROPOUT.apply(None, y, threshold, 1.25, 12346) == 0
+    assert float((dropped == other).float().mean()) < 1 - p  # another seed, another mask (agreement ~ 0.68)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dropout_with_the_kernel_has_the_gradient_of_the_mask_it_applied_and_repeats_under_a_seed(dtype):
+    from attnmt.models.dropout import dropout, dropout_add
+
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(37, 64, generator=g).to(dtype).requires_grad_(True)
+    y = torch.randn(37, 64, generator=g).to(dtype).requires_grad_(True)
+    torch.manual_seed(0)
+    out = dropout_add(x, y, 0.3, True, True, DROPOUT)
+    torch.manual_seed(0)
+    again = dropout_add(x, y, 0.3, True, True, DROPOUT)
+    torch.manual_seed(0)
+    alone = dropout(y, 0.3, True, True, DROPOUT)  # the same seed, so the same mask, without the residual
+    assert torch.equal(out, again)
+    kept = alone.detach() != 0  # y has no zeros
+    scale = 2**15 / (2**15 - round(0.3 * 2**15))
+    assert torch.equal(out, (x.float() + torch.where(kept, y.float() * scale, torch.zeros(()))).to(dtype))
+    assert 0.25 < 1 - float(kept.float().mean()) < 0.35
+    grad = torch.randn(37, 64, generator=g).to(dtype)
+    gx, gy = torch.autograd.grad(out, (x, y), grad)
+    assert torch.equal(gx, grad)
+    assert torch.equal(gy, torch.where(kept, grad.float() * scale, torch.zeros(())).to(dtype))
+    (gy_alone,) = torch.autograd.grad(alone, y, grad)
+    assert torch.equal(gy_alone, gy)

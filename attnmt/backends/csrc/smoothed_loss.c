@@ -12,32 +12,6 @@
  */
 #include "vec.h"
 
-static inline uint32_t round_bf16(uint32_t w) { return (w + 0x7FFFu + ((w >> 16) & 1u)) >> 16; }
-
-static inline void store8(void *p, int64_t i, f8 x, int bf16)
-{
-    if (bf16) {
-        u8v w;
-        memcpy(&w, &x, sizeof w);
-        w = (w + 0x7FFFu + ((w >> 16) & 1u)) >> 16;
-        const h8v h = __builtin_convertvector(w, h8v);
-        memcpy((uint16_t *)p + i, &h, sizeof h);
-    } else {
-        memcpy((float *)p + i, &x, sizeof x);
-    }
-}
-
-static inline void store1(void *p, int64_t i, float x, int bf16)
-{
-    if (bf16) {
-        uint32_t w;
-        memcpy(&w, &x, sizeof w);
-        ((uint16_t *)p)[i] = (uint16_t)round_bf16(w);
-    } else {
-        ((float *)p)[i] = x;
-    }
-}
-
 #define ARGS                                                                                                     \
     const void *x, int64_t rows, int64_t v, const int64_t *target, float epsilon, float *lp_y, float *lp_sum,  \
         void *g, int threads

@@ -84,6 +84,35 @@ static inline float load1(const void *p, int64_t i, int bf16)
     return x;
 }
 
+/* fp32 bits rounded to the nearest bf16, ties to even (as PyTorch converts) */
+static inline uint32_t round_bf16(uint32_t w) { return (w + 0x7FFFu + ((w >> 16) & 1u)) >> 16; }
+
+/* eight values to p + i, as load8 reads them (bf16 rounded) */
+static inline void store8(void *p, int64_t i, f8 x, int bf16)
+{
+    if (bf16) {
+        u8v w;
+        memcpy(&w, &x, sizeof w);
+        w = (w + 0x7FFFu + ((w >> 16) & 1u)) >> 16;
+        const h8v h = __builtin_convertvector(w, h8v);
+        memcpy((uint16_t *)p + i, &h, sizeof h);
+    } else {
+        memcpy((float *)p + i, &x, sizeof x);
+    }
+}
+
+/* one value to p + i, as store8 */
+static inline void store1(void *p, int64_t i, float x, int bf16)
+{
+    if (bf16) {
+        uint32_t w;
+        memcpy(&w, &x, sizeof w);
+        ((uint16_t *)p)[i] = (uint16_t)round_bf16(w);
+    } else {
+        ((float *)p)[i] = x;
+    }
+}
+
 /* void NAME(ARGS): ROW(PASS, r, BF16) for r in [0, rows), the rows split over `threads` OpenMP threads. ARGS and
    PASS are the including file's macros, naming `rows` and `threads` among the arguments. One function per dtype,
    each with its own parallel loop, so that the compiler specializes each body (a loop in a shared inline
