@@ -1,5 +1,5 @@
 """The CPU's compiled kernels: a beam search step's attention over the cache, what its candidate selection needs
-of the logits, the training loss with its gradient, and training's attention, each in one call.
+of the logits, the training loss with its gradient, training's attention and its dropout, each in one call.
 
 A beam search step on the CPU spends much of its attention time in PyTorch's batched products of tiny matrices
 (a few queries per sentence and head against a few dozen slots) and the copies, masks and softmax around them.
@@ -13,15 +13,18 @@ row while it sits in the cache, where PyTorch's log_softmax, gather, sum, exp an
 the logits. ``csrc/train_attention.c`` is training's attention for sentence-length sequences in fp32: one task per
 (sentence, head) reads Q, K and V where the projection wrote them, and computes the scores, the softmax and the
 output (then, backward, the four products' gradients) without the copies into contiguous blocks, the batched
-products of tiny matrices and the separate scale, mask and softmax passes of PyTorch's form.
+products of tiny matrices and the separate scale, mask and softmax passes of PyTorch's form. ``csrc/dropout.c``
+applies training's dropout (with the residual addition) in one pass that computes each element's mask from a seed
+and the element's index, forward and backward, where PyTorch's form draws the random numbers, turns them into a
+mask in several integer passes, stores it, and applies it.
 
-All four are plain C, compiled together on first use with the machine's C compiler for the vector instructions
+All five are plain C, compiled together on first use with the machine's C compiler for the vector instructions
 PyTorch's own kernels use here (``torch.backends.cpu.get_cpu_capability()``; AVX-512 BF16's dot products as
 well where attnmt runs bf16 natively on them, :func:`target`), cached under ``$ATTNMT_CACHE_DIR``
 (default ``~/.cache/attnmt``), and loaded with ``ctypes``: no PyTorch headers and no build step at install time.
 Where no compiler is found or the compilation fails, :func:`step_attention`, :func:`scores`,
-:func:`smoothed_loss` and :func:`training_attention` return None and the search, the loss and attention keep
-PyTorch's forms; ``ATTNMT_CPU_KERNELS=0`` does
+:func:`smoothed_loss`, :func:`training_attention` and :func:`dropout_masks` return None and the search, the loss,
+attention and dropout keep PyTorch's forms; ``ATTNMT_CPU_KERNELS=0`` does
 the same on purpose (to compare, or to rule the kernels out).
 """
 
