@@ -22,21 +22,10 @@ static inline u8v fmix8(u8v h)
     return h;
 }
 
-static inline uint32_t fmix1(uint32_t h)
+/* the 15 random bits of elements idx (their low halves; hi: the high half they share) */
+static inline u8v bits8(u8v idx, uint32_t hi, uint64_t seed)
 {
-    h ^= h >> 16;
-    h *= 0x85EBCA6Bu;
-    h ^= h >> 13;
-    h *= 0xC2B2AE35u;
-    h ^= h >> 16;
-    return h;
-}
-
-/* the 15 random bits of element e */
-static inline uint32_t bits1(uint64_t seed, int64_t e)
-{
-    const uint32_t h = fmix1((uint32_t)e ^ (uint32_t)seed);
-    return fmix1(h ^ (uint32_t)((uint64_t)e >> 32) ^ (uint32_t)(seed >> 32)) & 0x7FFFu;
+    return fmix8(fmix8(idx ^ (uint32_t)seed) ^ hi ^ (uint32_t)(seed >> 32)) & 0x7FFFu;
 }
 
 #define ARGS                                                                                                     \
@@ -49,22 +38,19 @@ static inline __attribute__((always_inline)) void dropout_block(ARGS, int64_t r,
     (void)rows, (void)threads;
     const int64_t start = r * DROPOUT_BLOCK, end = start + DROPOUT_BLOCK < n ? start + DROPOUT_BLOCK : n;
     const u8v lanes = {0, 1, 2, 3, 4, 5, 6, 7};
-    const u8v seed_lo = (u8v){0} + (uint32_t)seed, seed_hi = (u8v){0} + (uint32_t)(seed >> 32);
     const u8v limit = (u8v){0} + (uint32_t)threshold;
     const f8 s = SPLAT(scale);
     int64_t e = start;
-    for (; e + 8 <= end; e += 8) {
-        const u8v idx = lanes + (uint32_t)e;
-        const u8v hi = (u8v){0} + (uint32_t)((uint64_t)e >> 32); /* e..e+7 share their high half: e % 8 == 0 */
-        const u8v bits = fmix8(fmix8(idx ^ seed_lo) ^ hi ^ seed_hi) & 0x7FFFu;
-        const f8 kept = load8(y, e, bf16) * s;
-        f8 v = select8((i8v)(bits >= limit), kept, SPLAT(0.0f));
+    for (; e + 8 <= end; e += 8) { /* e % 8 == 0: e..e+7 share the high half of their index */
+        const u8v bits = bits8(lanes + (uint32_t)e, (uint32_t)((uint64_t)e >> 32), seed);
+        f8 v = select8((i8v)(bits >= limit), load8(y, e, bf16) * s, SPLAT(0.0f));
         if (x)
             v += load8(x, e, bf16);
         store8(out, e, v, bf16);
     }
     for (; e < end; e++) {
-        float v = bits1(seed, e) >= (uint32_t)threshold ? load1(y, e, bf16) * scale : 0.0f;
+        const uint32_t bits = bits8((u8v){0} + (uint32_t)e, (uint32_t)((uint64_t)e >> 32), seed)[0];
+        float v = bits >= (uint32_t)threshold ? load1(y, e, bf16) * scale : 0.0f;
         if (x)
             v += load1(x, e, bf16);
         store1(out, e, v, bf16);
