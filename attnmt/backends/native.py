@@ -364,41 +364,38 @@ def library(isa: str) -> ctypes.CDLL | None:
 
 
 @functools.cache
+def _kernel(cls: type, isa: str):
+    """One ``cls(library(isa))`` per process, or None where the library cannot be had (see :func:`library`)."""
+    lib = library(isa)
+    return None if lib is None else cls(lib)
+
+
 def step_attention(isa: str) -> CompiledStepAttention | None:
-    """The compiled step attention for ``isa`` (one object per process), or None (see :func:`library`)."""
-    lib = library(isa)
-    return None if lib is None else CompiledStepAttention(lib)
+    """The compiled step attention for ``isa``, or None."""
+    return _kernel(CompiledStepAttention, isa)
 
 
-@functools.cache
 def scores(isa: str) -> CompiledScores | None:
-    """The compiled score kernel for ``isa`` (one object per process), or None (see :func:`library`)."""
-    lib = library(isa)
-    return None if lib is None else CompiledScores(lib)
+    """The compiled score kernel for ``isa``, or None."""
+    return _kernel(CompiledScores, isa)
 
 
-@functools.cache
 def smoothed_loss(isa: str) -> CompiledSmoothedLoss | None:
-    """The compiled loss kernel for ``isa`` (one object per process), or None (see :func:`library`)."""
-    lib = library(isa)
-    return None if lib is None else CompiledSmoothedLoss(lib)
+    """The compiled loss kernel for ``isa``, or None."""
+    return _kernel(CompiledSmoothedLoss, isa)
 
 
-@functools.cache
 def training_attention(isa: str) -> CompiledTrainingAttention | None:
-    """The compiled training attention for ``isa`` (one object per process), or None (see :func:`library`)."""
-    lib = library(isa)
-    return None if lib is None else CompiledTrainingAttention(lib)
+    """The compiled training attention for ``isa``, or None."""
+    return _kernel(CompiledTrainingAttention, isa)
 
 
-@functools.cache
 def dropout_masks(isa: str) -> CompiledDropout | None:
-    """The compiled dropout for ``isa`` (one object per process), or None (see :func:`library`)."""
-    lib = library(isa)
-    return None if lib is None else CompiledDropout(lib)
+    """The compiled dropout for ``isa``, or None."""
+    return _kernel(CompiledDropout, isa)
 
 
 def clear() -> None:
     """Forget the loaded kernels (the next call builds or loads them again; for tests)."""
-    for fn in (library, step_attention, scores, smoothed_loss, training_attention, dropout_masks):
-        fn.cache_clear()
+    library.cache_clear()
+    _kernel.cache_clear()

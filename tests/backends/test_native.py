@@ -441,9 +441,9 @@ def test_the_loss_with_its_kernel_equals_the_loss_without(monkeypatch, bf16, row
 ATTENTION = native.training_attention(native.target(capabilities.cpu()))
 
 
-def _heads(B, T, parts, H, Dh, g, dtype=torch.float32):
+def _heads(B, T, parts, H, Dh, g):
     """``parts`` (B, H, T, Dh) views into one (B, T, parts * D) tensor, as a fused projection gives them, and it."""
-    x = torch.randn(B, T, parts * H * Dh, generator=g, dtype=dtype).requires_grad_(True)
+    x = torch.randn(B, T, parts * H * Dh, generator=g).requires_grad_(True)
     return x, [t.view(B, T, H, Dh).transpose(1, 2) for t in x.chunk(parts, dim=-1)]
 
 
