@@ -48,6 +48,7 @@ from torch import Tensor
 from attnmt.backends.capabilities import CpuCapabilities
 from attnmt.criterions import LossKernel
 from attnmt.models.interface import DropoutMasks, ScoreKernel, StepAttention, StepRows, TrainingAttention
+from attnmt.models.packing import SentenceRows
 
 SWITCH = "ATTNMT_CPU_KERNELS"
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
@@ -248,41 +249,47 @@ class CompiledSmoothedLoss(LossKernel):
                                      torch.get_num_threads())
 
 
-def _strides(x: Tensor) -> Tensor:
-    """The (sentence, head, position) element strides of a (B, H, T, Dh) operand, for the kernel to read it as is."""
-    return torch.tensor(x.stride()[:3], dtype=torch.int64)
-
-
 class _FusedAttention(torch.autograd.Function):
-    """The compiled kernel's forward and backward as one autograd node; saves the probabilities (B, H, T, S)."""
+    """The compiled kernel's forward and backward as one autograd node; saves the probabilities (B, H, T, S).
+    Arguments as :meth:`CompiledTrainingAttention.attend`'s; ``keep`` (B, S) uint8 or None."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, is_causal: bool,
-                kernel: CompiledTrainingAttention) -> Tensor:
-        B, H, T, Dh = q.shape
-        S = k.size(2)
-        out = q.new_empty(B, H, T, Dh)
-        probs = q.new_empty(B, H, T, S)
-        qs, ks, vs = _strides(q), _strides(k), _strides(v)
-        kernel.forward_fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), qs.data_ptr(), ks.data_ptr(), vs.data_ptr(),
-                          None if keep is None else keep.data_ptr(), B, H, T, S, Dh, int(is_causal), Dh ** -0.5,
-                          out.data_ptr(), probs.data_ptr(), torch.get_num_threads())
-        ctx.save_for_backward(q, k, v, probs)
-        ctx.is_causal, ctx.kernel = is_causal, kernel
+    def forward(ctx, q: Tensor, kv: Tensor | None, heads: int, queries: SentenceRows, keys: SentenceRows,
+                keep: Tensor | None, is_causal: bool, kernel: CompiledTrainingAttention) -> Tensor:
+        src = q if kv is None else kv  # the rows holding K and V
+        width = q.size(1) // 3 if kv is None else kv.size(1) // 2  # H * Dh
+        dh = width // heads
+        k_col = width if kv is None else 0  # K's first column in src; V's follows at k_col + width
+        B, T, S = queries.start.numel(), queries.longest, keys.longest
+        out = q.new_empty(q.size(0), width)
+        probs = q.new_empty(B, heads, T, S)
+        k_ptr = src.data_ptr() + 4 * k_col
+        kernel.forward_fn(q.data_ptr(), q.stride(0), queries.start.data_ptr(), queries.length.data_ptr(), k_ptr,
+                          k_ptr + 4 * width, src.stride(0), keys.start.data_ptr(), keys.length.data_ptr(),
+                          None if keep is None else keep.data_ptr(), B, heads, T, S, dh, int(is_causal),
+                          dh ** -0.5, out.data_ptr(), probs.data_ptr(), torch.get_num_threads())
+        ctx.save_for_backward(q, kv, probs)
+        ctx.layout = (heads, queries, keys, is_causal, width, k_col)
+        ctx.kernel = kernel
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        q, k, v, probs = ctx.saved_tensors
-        B, H, T, Dh = q.shape
-        S = k.size(2)
+        q, kv, probs = ctx.saved_tensors
+        heads, queries, keys, is_causal, width, k_col = ctx.layout
+        src = q if kv is None else kv
+        B, _, T, S = probs.shape
         grad = grad.contiguous()
-        dq, dk, dv = q.new_empty(B, H, T, Dh), q.new_empty(B, H, S, Dh), q.new_empty(B, H, S, Dh)
-        qs, ks, vs = _strides(q), _strides(k), _strides(v)
-        ctx.kernel.backward_fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), qs.data_ptr(), ks.data_ptr(), vs.data_ptr(),
-                               B, H, T, S, Dh, int(ctx.is_causal), Dh ** -0.5, probs.data_ptr(), grad.data_ptr(),
-                               dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), torch.get_num_threads())
-        return dq, dk, dv, None, None, None
+        d_q = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # for self-attention dQ, dK and dV side by side
+        d_kv = None if kv is None else torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
+        d_src = d_q if kv is None else d_kv
+        k_ptr, dk_ptr = src.data_ptr() + 4 * k_col, d_src.data_ptr() + 4 * k_col
+        ctx.kernel.backward_fn(q.data_ptr(), q.stride(0), queries.start.data_ptr(), queries.length.data_ptr(),
+                               k_ptr, k_ptr + 4 * width, src.stride(0), keys.start.data_ptr(),
+                               keys.length.data_ptr(), B, heads, T, S, width // heads, int(is_causal),
+                               (width // heads) ** -0.5, probs.data_ptr(), grad.data_ptr(), d_q.data_ptr(),
+                               d_q.stride(0), dk_ptr, dk_ptr + 4 * width, d_src.stride(0), torch.get_num_threads())
+        return d_q, d_kv, None, None, None, None, None, None
 
 
 class CompiledTrainingAttention(TrainingAttention):
@@ -292,30 +299,37 @@ class CompiledTrainingAttention(TrainingAttention):
     def __init__(self, library: ctypes.CDLL):
         p, i64, i32, f32 = _P, _I64, _I32, ctypes.c_float
         self.forward_fn = library.train_attention_forward_f32
-        self.forward_fn.argtypes = [p, p, p, p, p, p, p, i64, i64, i64, i64, i32, i32, f32, p, p, i32]
+        self.forward_fn.argtypes = [p, i64, p, p, p, p, i64, p, p, p, i64, i64, i64, i64, i32, i32, f32, p, p, i32]
         self.forward_fn.restype = None
         self.backward_fn = library.train_attention_backward_f32
-        self.backward_fn.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i32, i32, f32, p, p, p, p, p, i32]
+        self.backward_fn.argtypes = [p, i64, p, p, p, p, i64, p, p, i64, i64, i64, i64, i32, i32, f32, p, p, p, i64,
+                                     p, p, i64, i32]
         self.backward_fn.restype = None
         library.train_attention_max_dh.restype = library.train_attention_max_keys.restype = i32
         self.max_head_dim = library.train_attention_max_dh()  # head sizes: multiples of 8 up to this
         self.max_keys = library.train_attention_max_keys()
 
-    def supports(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:
-        B, H, _, Dh = q.shape
-        S = k.size(2)
-        return (all(x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 4 and x.stride(-1) == 1
-                    for x in (q, k, v))
-                and k.shape == v.shape == (B, H, S, Dh) and Dh % 8 == 0 and Dh <= self.max_head_dim
-                and 0 < S <= self.max_keys
+    def supports(self, q: Tensor, kv: Tensor | None, heads: int, keys: SentenceRows, mask: Tensor | None) -> bool:
+        parts = 3 if kv is None else 1
+        if not all(x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1
+                   for x in (q, kv) if x is not None) or q.size(1) % (parts * heads):
+            return False
+        dh = q.size(1) // (parts * heads)
+        B, S = keys.start.numel(), keys.longest
+        return (dh % 8 == 0 and dh <= self.max_head_dim and 0 < S <= self.max_keys
+                and (kv is None or kv.size(1) == 2 * heads * dh)
                 and (mask is None or (mask.dtype == torch.bool and mask.shape == (B, 1, 1, S))))
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
-        if not self.supports(q, k, v, mask):
-            raise ValueError("the attention kernel takes fp32 CPU operands with contiguous heads of a multiple of 8 "
-                             f"up to {self.max_head_dim}, up to {self.max_keys} keys, and a (B, 1, 1, S) bool mask")
+    def attend(self, q: Tensor, kv: Tensor | None, heads: int, queries: SentenceRows, keys: SentenceRows,
+               mask: Tensor | None, is_causal: bool) -> Tensor:
+        if not self.supports(q, kv, heads, keys, mask):
+            raise ValueError("the attention kernel takes fp32 CPU rows with heads of a multiple of 8 up to "
+                             f"{self.max_head_dim}, up to {self.max_keys} keys, and a (B, 1, 1, S) bool mask")
+        if (queries.rows != q.size(0) or keys.rows != (q if kv is None else kv).size(0)
+                or queries.start.numel() != keys.start.numel()):
+            raise ValueError("the sentences' rows do not match the operands' rows")
         keep = None if mask is None else mask.reshape(mask.size(0), -1).contiguous().view(torch.uint8)
-        return _FusedAttention.apply(q, k, v, keep, is_causal, self)
+        return _FusedAttention.apply(q, kv, heads, queries, keys, keep, is_causal, self)
 
 
 class CompiledDropout(DropoutMasks):

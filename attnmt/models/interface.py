@@ -19,6 +19,8 @@ from typing import Any
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from attnmt.models.packing import SentenceRows
+
 RowBucket = Callable[[int], int]  # rows -> the row count a decoder call is padded to (the backend's choice)
 
 
@@ -65,18 +67,25 @@ class StepAttention(ABC):
 
 
 class TrainingAttention(ABC):
-    """softmax(Q K^T / sqrt(d_k)) V with its backward pass, each in one call (a backend's kernel), in place of the
-    plain matmul-softmax-matmul (``plain_attention`` in ``models/transformer.py``, without dropout): the same
-    value up to rounding. ``q`` (B, H, T, Dh), ``k`` and ``v`` (B, H, S, Dh), any strides with contiguous heads;
-    ``mask`` (B, 1, 1, S) bool (True = attend) or None; ``is_causal``: query i sees keys up to i."""
+    """Multi-head attention's heads, softmax(Q K^T / sqrt(d_k)) V, with the backward pass, each in one call (a
+    backend's kernel), in place of splitting the heads, the plain matmul-softmax-matmul (``plain_attention`` in
+    ``models/transformer.py``, without dropout) and concatenating them: the same value up to rounding.
+
+    Q, K and V are read where the projections wrote them, one row per position with the heads side by side:
+    ``q`` (R, C) holds Q in its first H * Dh columns and, for self-attention (``kv`` None), K and V in the next
+    two blocks of H * Dh; otherwise ``kv`` (R_k, 2 H Dh) holds K then V. ``queries`` and ``keys`` say which rows
+    hold each sentence's positions (:class:`~attnmt.models.packing.SentenceRows`; self-attention passes the
+    same for both); ``mask`` (B, 1, 1, S) bool (True = attend, S = ``keys.longest``) or None; ``is_causal``:
+    query i sees keys up to i."""
 
     @abstractmethod
-    def supports(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> bool:
+    def supports(self, q: Tensor, kv: Tensor | None, heads: int, keys: SentenceRows, mask: Tensor | None) -> bool:
         """Whether the kernel takes these operands (dtype, device, sizes, layout)."""
 
     @abstractmethod
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool) -> Tensor:
-        """The attention output (B, H, T, Dh), differentiable in q, k and v."""
+    def attend(self, q: Tensor, kv: Tensor | None, heads: int, queries: SentenceRows, keys: SentenceRows,
+               mask: Tensor | None, is_causal: bool) -> Tensor:
+        """Concat(head_1..head_H) (R, H * Dh), rows as ``q``'s, differentiable in ``q`` and ``kv``."""
 
 
 class DropoutMasks(ABC):

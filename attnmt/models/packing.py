@@ -7,9 +7,11 @@ so when the positions wanted (``output_mask``) are a prefix of each sentence, th
 position after them: computing the padding changes nothing the loss sees. :class:`PackedRows` keeps the
 decoder's hidden states as the (N, D) rows of the N real positions instead; the position-wise layers (the
 projections, the feed-forward layers, the layer norms, residual dropout) run on those rows as they would on
-(B, T, D). Attention alone needs the (B, T) grid: :meth:`PackedRows.split_heads` writes the rows into
-zero-padded (B, H, T, Dh) heads and :meth:`PackedRows.merge_heads` reads them back, one copy each way, the same
-copy that splitting the heads of a (B, T, D) tensor makes anyway.
+(B, T, D). A backend's attention kernel (:class:`~attnmt.models.interface.TrainingAttention`) reads the rows
+where they are, told where each sentence's rows lie (:class:`SentenceRows`). PyTorch's attention needs the
+(B, T) grid: :meth:`PackedRows.split_heads` writes the rows into zero-padded (B, H, T, Dh) heads and
+:meth:`PackedRows.merge_heads` reads them back, one copy each way, the same copy that splitting the heads of a
+(B, T, D) tensor makes anyway.
 
 Each copy is an ``index_select`` (a row gather) whose adjoint is an ``index_copy_`` into zeros (a row scatter to
 distinct rows), and the other way round; the two autograd functions below pair them explicitly, because
@@ -19,8 +21,29 @@ row at a time.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SentenceRows:
+    """Which rows of a (rows, ...) matrix hold each sentence's positions: sentence b's position t is row
+    ``start[b] + t`` for t < ``length[b]``; ``longest`` bounds the lengths (the padded length); ``rows``: the
+    matrix's row count. A (B, T, ...) tensor flattened to (B * T, ...) is :meth:`grid`; packed rows
+    (:class:`PackedRows`) start where the previous sentence ends."""
+
+    start: Tensor  # (B,) int64
+    length: Tensor  # (B,) int64
+    longest: int
+    rows: int
+
+    @classmethod
+    def grid(cls, batch: int, length: int, device: torch.device) -> SentenceRows:
+        """Every sentence ``length`` rows long, sentence b from row b * length."""
+        return cls(torch.arange(batch, device=device) * length,
+                   torch.full((batch,), length, dtype=torch.long, device=device), length, batch * length)
 
 
 def _scatter(x: Tensor, index: Tensor, total: int) -> Tensor:
@@ -70,6 +93,8 @@ class PackedRows:
     def __init__(self, keep: Tensor):
         self.batch, self.length = keep.shape
         self.index = keep.reshape(-1).nonzero().squeeze(1)  # (N,) positions in the flattened (B*T) grid
+        lengths = keep.sum(dim=1)
+        self.sentences = SentenceRows(lengths.cumsum(0) - lengths, lengths, self.length, self.index.numel())
         self._head_rows: dict[tuple[int, int], Tensor] = {}
 
     def pack(self, x: Tensor) -> Tensor:

@@ -39,9 +39,9 @@ from attnmt.errors import UserError
 from attnmt.models.dropout import Dropout
 from attnmt.models.dropout import dropout as dropout_weights
 from attnmt.models.incremental import SlotCache
-from attnmt.models.interface import DecoderCache, DecodingKernels, EncoderDecoderModel, LayerCache
+from attnmt.models.interface import DecoderCache, DecodingKernels, EncoderDecoderModel, LayerCache, TrainingAttention
 from attnmt.models.linear import AttentionKernel, DropoutKernel, Linear
-from attnmt.models.packing import PackedRows, is_prefix
+from attnmt.models.packing import PackedRows, SentenceRows, is_prefix
 from attnmt.registry import register, register_arch
 
 # ------------------------------------------------------------------------------------------------ config
@@ -317,7 +317,8 @@ class MultiHeadAttention(AttentionKernel, DropoutKernel, nn.Module):
     fused (D -> 3D) matmul; encoder-decoder attention projects the query from the decoder and K, V (one fused
     matmul) from the encoder output, which the decoder computes once per sentence when decoding step by step.
     Sequences up to ``plain_attention_max_len`` (set by the backend: ``AttentionKernel``) run the same formula as
-    :func:`plain_attention` instead, faster than SDPA's kernels for short sentences on the CPU.
+    :func:`plain_attention` instead, faster than SDPA's kernels for short sentences on the CPU; without dropout, a
+    backend's kernel (``fused_attention``) may compute it from the projections' outputs as they lie.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, dropout: float, kv_dim: int | None = None):
@@ -344,22 +345,26 @@ class MultiHeadAttention(AttentionKernel, DropoutKernel, nn.Module):
         B, T, _ = x.shape
         return x.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
 
-    def project_qkv(self, x: Tensor, rows: PackedRows | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """Self-attention: Q, K, V from the same (B, T, D) input (or its packed ``rows``, (N, D)), each (B, H, T, Dh)."""
+    def _qkv_heads(self, qkv: Tensor, rows: PackedRows | None) -> tuple[Tensor, Tensor, Tensor]:
         if rows is not None:
-            return rows.split_heads(self.qkv_proj(x), 3, self.num_heads)
-        q, k, v = self.qkv_proj(x).chunk(3, dim=-1)  # 3 x (B, T, D)
+            return rows.split_heads(qkv, 3, self.num_heads)
+        q, k, v = qkv.chunk(3, dim=-1)  # 3 x (B, T, D)
         return self._split_heads(q), self._split_heads(k), self._split_heads(v)
 
-    def project_q(self, x: Tensor, rows: PackedRows | None = None) -> Tensor:
-        if rows is not None:
-            return rows.split_heads(self.q_proj(x), 1, self.num_heads)[0]
+    def _kv_heads(self, kv: Tensor) -> tuple[Tensor, Tensor]:
+        k, v = kv.chunk(2, dim=-1)
+        return self._split_heads(k).contiguous(), self._split_heads(v).contiguous()
+
+    def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Self-attention: Q, K, V from the same (B, T, D) input, each (B, H, T, Dh)."""
+        return self._qkv_heads(self.qkv_proj(x), None)
+
+    def project_q(self, x: Tensor) -> Tensor:
         return self._split_heads(self.q_proj(x))  # (B, H, T, Dh)
 
     def project_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
         """Encoder-decoder attention: K, V from the encoder output (B, S, D_enc), each (B, H, S, Dh)."""
-        k, v = self.kv_proj(memory).chunk(2, dim=-1)
-        return self._split_heads(k).contiguous(), self._split_heads(v).contiguous()
+        return self._kv_heads(self.kv_proj(memory))
 
     def combine_heads(self, out: Tensor, rows: PackedRows | None = None) -> Tensor:
         """Concat(head_1..head_h) W^O: (B, H, T, Dh) -> (B, T, D), or (N, D) for packed ``rows``."""
@@ -368,17 +373,51 @@ class MultiHeadAttention(AttentionKernel, DropoutKernel, nn.Module):
         B, H, T, Dh = out.shape
         return self.out_proj(out.transpose(1, 2).reshape(B, T, H * Dh))
 
+    def self_attention(self, x: Tensor, mask: Tensor | None = None, is_causal: bool = False,
+                       rows: PackedRows | None = None) -> Tensor:
+        """Self-attention of ``x`` (B, T, D), or of its packed ``rows`` (N, D), without a cache; shaped as x."""
+        qkv = self.qkv_proj(x)
+        length = x.size(1) if rows is None else rows.length
+        kernel = self._kernel(length, length)
+        if kernel is not None:  # the heads read and written where the projections put them (a backend's kernel)
+            flat = qkv.reshape(-1, qkv.size(-1))
+            queries = rows.sentences if rows is not None else SentenceRows.grid(x.size(0), length, x.device)
+            if kernel.supports(flat, None, self.num_heads, queries, mask):
+                out = kernel.attend(flat, None, self.num_heads, queries, queries, mask, is_causal)
+                return self.out_proj(out.view(*x.shape[:-1], out.size(-1)))
+        return self.attend(*self._qkv_heads(qkv, rows), mask=mask, is_causal=is_causal, rows=rows)
+
+    def cross_attention(self, x: Tensor, memory: Tensor, mask: Tensor | None,
+                        rows: PackedRows | None = None) -> Tensor:
+        """Encoder-decoder attention from ``x`` (B, T, D), or its packed ``rows`` (N, D), to ``memory`` (B, S,
+        D_enc) without a cache; shaped as x."""
+        q, kv = self.q_proj(x), self.kv_proj(memory)
+        B, S, _ = memory.shape
+        kernel = self._kernel(x.size(1) if rows is None else rows.length, S)
+        if kernel is not None:
+            flat_q, flat_kv = q.reshape(-1, q.size(-1)), kv.reshape(-1, kv.size(-1))
+            keys = SentenceRows.grid(B, S, memory.device)
+            if kernel.supports(flat_q, flat_kv, self.num_heads, keys, mask):
+                queries = rows.sentences if rows is not None else SentenceRows.grid(B, x.size(1), x.device)
+                out = kernel.attend(flat_q, flat_kv, self.num_heads, queries, keys, mask, False)
+                return self.out_proj(out.view(*x.shape[:-1], out.size(-1)))
+        q = rows.split_heads(q, 1, self.num_heads)[0] if rows is not None else self._split_heads(q)
+        return self.attend(q, *self._kv_heads(kv), mask=mask, rows=rows)
+
+    def _kernel(self, queries: int, keys: int) -> TrainingAttention | None:
+        """The backend's attention kernel where the plain form would run without dropout, else None."""
+        dropout_p = self.dropout if self.training else 0.0
+        if dropout_p == 0.0 and self.use_plain_attention(queries, keys):
+            return self.fused_attention
+        return None
+
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, is_causal: bool = False,
                rows: PackedRows | None = None) -> Tensor:
-        """Concat(head_1..head_h) W^O with head_i = Attention(Q_i, K_i, V_i). Returns (B, T, D), or (N, D) for the
-        queries' packed ``rows``."""
+        """Concat(head_1..head_h) W^O with head_i = Attention(Q_i, K_i, V_i), by PyTorch's operations. Returns
+        (B, T, D), or (N, D) for the queries' packed ``rows``."""
         dropout_p = self.dropout if self.training else 0.0
         if self.use_plain_attention(q.size(-2), k.size(-2)) and (mask is None or mask.dtype == torch.bool):
-            kernel = self.fused_attention
-            if kernel is not None and dropout_p == 0.0 and kernel.supports(q, k, v, mask):
-                out = kernel.attend(q, k, v, mask, is_causal)  # the same formula in one call (a backend's kernel)
-            else:
-                out = plain_attention(q, k, v, mask, is_causal, dropout_p, self.random_bit_dropout)  # (B, H, T, Dh)
+            out = plain_attention(q, k, v, mask, is_causal, dropout_p, self.random_bit_dropout)  # (B, H, T, Dh)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                                  dropout_p=dropout_p)  # (B, H, T, Dh)
@@ -396,7 +435,7 @@ class MultiHeadAttention(AttentionKernel, DropoutKernel, nn.Module):
 
     def forward(self, x: Tensor, mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
         """Self-attention of ``x`` (B, T, D) without a cache."""
-        return self.attend(*self.project_qkv(x), mask=mask, is_causal=is_causal)
+        return self.self_attention(x, mask, is_causal)
 
 
 def plain_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
@@ -503,20 +542,19 @@ class DecoderLayer(nn.Module):
 
     def _self_attention(self, h: Tensor, cache: LayerCache | None, start: int, rows: PackedRows | None) -> Tensor:
         """3.2.3: each position attends to itself and earlier positions only."""
-        q, k, v = self.self_attn.project_qkv(h, rows)  # (B, H, T, Dh) each
         if cache is None:  # teacher forcing: the whole target at once under a causal mask
-            return self.self_attn.attend(q, k, v, is_causal=True, rows=rows)
+            return self.self_attn.self_attention(h, is_causal=True, rows=rows)
         # the cache stores k, v after the ``start`` positions so far and attends under its causal/beam mask
+        q, k, v = self.self_attn.project_qkv(h)  # (B, H, T, Dh) each
         return self.self_attn.out_proj(cache.self_attention(q, k, v))
 
     def _cross_attention(self, h: Tensor, memory: Tensor, memory_mask: Tensor | None,
                          cache: LayerCache | None, rows: PackedRows | None) -> Tensor:
         """3.2.3: queries from the decoder, keys and values from the encoder output (padding masked)."""
-        q = self.cross_attn.project_q(h, rows)  # (B, H, T, Dh)
-        if cache is not None:  # keys/values projected once per sentence, on the first step
-            return self.cross_attn.out_proj(cache.cross_attention(q, self.cross_attn.project_kv, memory))
-        k, v = self.cross_attn.project_kv(memory)  # (B, H, S, Dh) each
-        return self.cross_attn.attend(q, k, v, mask=memory_mask, rows=rows)
+        if cache is None:
+            return self.cross_attn.cross_attention(h, memory, memory_mask, rows)
+        q = self.cross_attn.project_q(h)  # (B, H, T, Dh); keys/values projected once per sentence, on the first step
+        return self.cross_attn.out_proj(cache.cross_attention(q, self.cross_attn.project_kv, memory))
 
     def forward(self, x: Tensor, memory: Tensor, memory_mask: Tensor | None, cache: LayerCache | None = None,
                 start: int = 0, rows: PackedRows | None = None) -> Tensor:

@@ -441,50 +441,79 @@ def test_the_loss_with_its_kernel_equals_the_loss_without(monkeypatch, bf16, row
 ATTENTION = native.training_attention(native.target(capabilities.cpu()))
 
 
-def _heads(B, T, parts, H, Dh, g):
-    """``parts`` (B, H, T, Dh) views into one (B, T, parts * D) tensor, as a fused projection gives them, and it."""
-    x = torch.randn(B, T, parts * H * Dh, generator=g).requires_grad_(True)
-    return x, [t.view(B, T, H, Dh).transpose(1, 2) for t in x.chunk(parts, dim=-1)]
+def _padded(x, rows, parts, heads):
+    """``parts`` zero-padded (B, H, L, Dh) heads of the (R, parts * H * Dh) rows ``x`` laid out as ``rows`` say,
+    and the (B, L) bool grid of the real positions."""
+    B, L = rows.start.numel(), rows.longest
+    t = torch.arange(L)
+    real = t[None, :] < rows.length[:, None]
+    grid = x.new_zeros(B, L, x.size(1))
+    grid[real] = x[(rows.start[:, None] + t[None, :])[real]]
+    return [c.reshape(B, L, heads, -1).transpose(1, 2) for c in grid.chunk(parts, dim=-1)], real
+
+
+def _reference_attention(q, kv, heads, queries, keys, mask, causal):
+    """The plain matmul-softmax-matmul over the padded heads the rows give, back as rows like q's."""
+    from attnmt.models.transformer import plain_attention
+
+    if kv is None:
+        (qh, kh, vh), real = _padded(q, queries, 3, heads)
+    else:
+        (qh,), real = _padded(q, queries, 1, heads)
+        (kh, vh), _ = _padded(kv, keys, 2, heads)
+    out = plain_attention(qh, kh, vh, mask, causal, 0.0)  # (B, H, T, Dh)
+    return out.transpose(1, 2).flatten(2)[real]  # the real positions in order: the rows
+
+
+def _sentences(lengths, longest):
+    from attnmt.models.packing import SentenceRows
+
+    lengths = torch.tensor(lengths)
+    return SentenceRows(lengths.cumsum(0) - lengths, lengths, longest, int(lengths.sum()))
 
 
 @needs_kernel
-@pytest.mark.parametrize("case", ["self", "causal", "cross", "packed"])
+@pytest.mark.parametrize("case", ["self", "causal", "cross", "packed", "packed-cross"])
 @pytest.mark.parametrize("shape", [(3, 7, 9, 2, 64), (2, 13, 5, 3, 8), (4, 1, 1, 1, 128)])  # B, T, S, H, Dh
 def test_training_attention_gives_the_plain_forms_output_and_gradients(case, shape):
-    """Against the plain matmul-softmax-matmul in float64: the output and the gradients of the projections it
-    read Q, K and V from (strided views), with a key padding mask, a causal mask, or the packed decoder's
-    contiguous heads; key counts that are and are not multiples of 4 (the kernel's dot products in fours)."""
-    from attnmt.models.transformer import plain_attention
+    """Against the plain matmul-softmax-matmul in float64: the output and the gradients of the projections'
+    outputs it read Q, K and V from, on a padded grid (encoder self-attention with a key padding mask; causal;
+    encoder-decoder attention) and on the packed decoder's rows (causal self-attention; encoder-decoder
+    attention); key counts that are and are not multiples of 4 (the kernel's dot products in fours)."""
+    from attnmt.models.packing import SentenceRows
 
     B, T, S, H, Dh = shape
+    D = H * Dh
     g = torch.Generator().manual_seed(sum(shape))
-    mask = None
-    if case == "cross":
-        xq, (q,) = _heads(B, T, 1, H, Dh, g)
-        xkv, (k, v) = _heads(B, S, 2, H, Dh, g)
+    if case.startswith("packed"):
+        lengths = [T] + [int(n) for n in torch.randint(1, T + 1, (B - 1,), generator=g)]
+        queries = _sentences(lengths, T)
+    else:
+        queries = SentenceRows.grid(B, T, torch.device("cpu"))
+    q = torch.randn(queries.rows, D if case.endswith("cross") else 3 * D, generator=g)
+    kv = keys = mask = None
+    if case.endswith("cross"):
+        keys = SentenceRows.grid(B, S, torch.device("cpu"))
+        kv = torch.randn(B * S, 2 * D, generator=g)
         keep = torch.ones(B, S, dtype=torch.bool)
         keep[0, S // 2 + 1:] = False  # the first sentence's source is padded
-        mask, leaves = keep[:, None, None, :], [xq, xkv]
-    else:
-        xqkv, (q, k, v) = _heads(B, T, 3, H, Dh, g)
-        leaves = [xqkv]
-        if case == "packed":  # contiguous (B, H, T, Dh) heads, as PackedRows.split_heads gives them
-            q, k, v = (t.contiguous() for t in (q, k, v))
+        mask = keep[:, None, None, :]
+    elif case == "self":
+        keep = torch.ones(B, T, dtype=torch.bool)
+        keep[-1, T // 2 + 1:] = False
+        mask = keep[:, None, None, :]
+    keys = keys or queries
     causal = case in ("causal", "packed")
-    assert ATTENTION.supports(q, k, v, mask)
-    out = ATTENTION.attend(q, k, v, mask, causal)
+    leaves = [x.requires_grad_(True) for x in (q, kv) if x is not None]
+    assert ATTENTION.supports(q, kv, H, keys, mask)
+    out = ATTENTION.attend(q, kv, H, queries, keys, mask, causal)
     dout = torch.randn(out.shape, generator=g)
     grads = torch.autograd.grad(out, leaves, dout)
 
     exact = [x.detach().double().requires_grad_(True) for x in leaves]
-    if case == "cross":
-        q64 = exact[0].view(B, T, H, Dh).transpose(1, 2)
-        k64, v64 = (t.view(B, S, H, Dh).transpose(1, 2) for t in exact[1].chunk(2, dim=-1))
-    else:
-        q64, k64, v64 = (t.view(B, T, H, Dh).transpose(1, 2) for t in exact[0].chunk(3, dim=-1))
-    ref = plain_attention(q64, k64, v64, mask, causal, 0.0)
+    ref = _reference_attention(exact[0], exact[1] if kv is not None else None, H, queries, keys, mask, causal)
     ref_grads = torch.autograd.grad(ref, exact, dout.double())
-    assert out.dtype == torch.float32 and out.shape == (B, H, T, Dh)
+    assert out.dtype == torch.float32 and out.shape == (queries.rows, D)
     assert torch.allclose(out.double(), ref, atol=2e-6)
     for got, want in zip(grads, ref_grads):
         assert torch.allclose(got.double(), want, atol=2e-5)
@@ -494,30 +523,37 @@ def test_training_attention_gives_the_plain_forms_output_and_gradients(case, sha
 def test_training_attention_gives_a_query_that_sees_no_key_zeros():
     """The kernel's rule for a query whose keys are all masked (the model's masks never make one): a zero output
     and zero gradients, where the products would give NaN."""
+    from attnmt.models.packing import SentenceRows
+
     g = torch.Generator().manual_seed(1)
-    x, (q, k, v) = _heads(2, 3, 3, 2, 8, g)
+    x = torch.randn(2 * 3, 3 * 2 * 8, generator=g).requires_grad_(True)
+    rows = SentenceRows.grid(2, 3, torch.device("cpu"))
     keep = torch.tensor([[True, True, False], [False, False, False]])
-    out = ATTENTION.attend(q, k, v, keep[:, None, None, :], False)
-    assert not out[1].any() and out[0].abs().sum() > 0
+    out = ATTENTION.attend(x, None, 2, rows, rows, keep[:, None, None, :], False)
+    assert not out[3:].any() and out[:3].abs().sum() > 0
     (grad,) = torch.autograd.grad(out.sum(), x)
-    assert torch.isfinite(grad).all() and not grad[1].any()
+    assert torch.isfinite(grad).all() and not grad[3:].any()
 
 
 @needs_kernel
 def test_what_the_training_attention_takes():
-    g = torch.Generator().manual_seed(2)
-    _, (q, k, v) = _heads(2, 5, 3, 2, 16, g)
-    assert ATTENTION.supports(q, k, v, None)
-    half = [t.bfloat16() for t in (q, k, v)]
-    assert not ATTENTION.supports(*half, None)  # fp32 only: bf16 keeps PyTorch's products
-    _, (q12, k12, v12) = _heads(2, 5, 3, 2, 12, g)
-    assert not ATTENTION.supports(q12, k12, v12, None)  # heads of a multiple of 8
-    _, (ql, kl, vl) = _heads(1, ATTENTION.max_keys + 1, 3, 1, 8, g)
-    assert not ATTENTION.supports(ql, kl, vl, None)  # longer sequences keep PyTorch's products
-    assert not ATTENTION.supports(q, k, v, torch.ones(2, 1, 5, 5, dtype=torch.bool))  # a mask per query
-    assert not ATTENTION.supports(q.transpose(-1, -2), k, v, None)
+    from attnmt.models.packing import SentenceRows
+
+    rows = SentenceRows.grid(2, 5, torch.device("cpu"))
+    x = torch.randn(10, 3 * 2 * 16)
+    assert ATTENTION.supports(x, None, 2, rows, None)
+    assert not ATTENTION.supports(x.bfloat16(), None, 2, rows, None)  # fp32 only: bf16 keeps PyTorch's products
+    assert not ATTENTION.supports(torch.randn(10, 3 * 2 * 12), None, 2, rows, None)  # heads of a multiple of 8
+    assert not ATTENTION.supports(x, None, 5, rows, None)  # 96 columns are not 3 x 5 heads
+    assert not ATTENTION.supports(x[:, :48], torch.randn(10, 80), 2, rows, None)  # K, V of Q's width
+    long = SentenceRows.grid(1, ATTENTION.max_keys + 1, torch.device("cpu"))
+    assert not ATTENTION.supports(torch.randn(long.rows, 48), None, 2, long, None)  # longer: PyTorch's products
+    assert not ATTENTION.supports(x, None, 2, rows, torch.ones(2, 1, 5, 5, dtype=torch.bool))  # a mask per query
+    assert not ATTENTION.supports(x.t().contiguous().t(), None, 2, rows, None)  # rows must be contiguous
     with pytest.raises(ValueError, match="attention kernel takes"):
-        ATTENTION.attend(*half, None, False)
+        ATTENTION.attend(x.bfloat16(), None, 2, rows, rows, None, False)
+    with pytest.raises(ValueError, match="rows do not match"):
+        ATTENTION.attend(x[:9], None, 2, rows, rows, None, False)
 
 
 @needs_kernel

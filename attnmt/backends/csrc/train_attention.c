@@ -1,11 +1,18 @@
 /* Scaled dot-product attention for training, fp32: softmax(Q K^T / sqrt(d)) V for each (sentence, head) pair,
- * forward and backward, each in one call.
+ * forward and backward, each in one call, reading Q, K and V where the projections wrote them and writing the
+ * heads side by side (Concat, 3.2.2).
  *
  * For sentence-length sequences PyTorch's form is two batched products of tiny matrices (a few dozen rows of
  * 64) with copies of Q, K and V into contiguous blocks, a scale, a mask and a softmax between them, each a pass
- * of its own; here one task per (sentence, head) reads its rows of Q, K, V where they lie (any row strides: the
- * heads of a fused projection's output), keeps a query's scores in a small buffer and writes its probabilities
- * (which the backward pass needs, as PyTorch's softmax saves its output) and its output row.
+ * of its own, and copies back into the projections' layout; here one task per (sentence, head) reads its rows of
+ * Q, K, V where they lie, keeps a query's scores in a small buffer and writes its probabilities (which the
+ * backward pass needs, as PyTorch's softmax saves its output) and its output row.
+ *
+ * Layout. Every operand is a matrix of rows, one row per position, heads side by side in a row (head h at
+ * columns h*dh .. h*dh + dh - 1, from the pointer given for that operand): a projection's output. Sentence b's
+ * queries are rows q_start[b] .. q_start[b] + q_len[b] - 1 and its keys rows k_start[b] .. + k_len[b] - 1 (a
+ * padded (B, T) grid has start b*T and length T; packed rows start where the previous sentence ends). Q rows are
+ * q_stride floats apart, K and V rows kv_stride apart; the output has the queries' rows, H*dh floats each.
  *
  * Forward, for query i: s_j = q_i . k_j * scale for the keys j it may see (j <= i with `causal`; keep[b, j]
  * where a key padding mask is given), p = softmax(s), o_i = sum_j p_j v_j. A query that may see no key gets
@@ -89,23 +96,26 @@ static inline void axpy(float *y, float a, const float *x, int dh)
 /* query i sees keys [0, key_limit) (less the masked ones) */
 static inline int64_t key_limit(int64_t i, int64_t S, int causal) { return causal ? (i + 1 < S ? i + 1 : S) : S; }
 
-/* out (B, H, T, dh) and probs (B, H, T, S), both contiguous, from q (B, H, T, dh), k and v (B, H, S, dh) at
-   element strides qs/ks/vs = (sentence, head, position); keep (B, S) bytes, 0 = masked key, or NULL */
-void train_attention_forward_f32(const float *q, const float *k, const float *v, const int64_t *qs,
-                                 const int64_t *ks, const int64_t *vs, const uint8_t *keep, int64_t B, int64_t H,
-                                 int64_t T, int64_t S, int dh, int causal, float scale, float *out, float *probs,
-                                 int threads)
+/* out (rows like q's, H*dh floats each) and probs (B, H, T, S) from q, k, v (see the layout above); T and S
+   bound q_len and k_len; keep (B, S) bytes, 0 = masked key, or NULL. A query's probabilities past its keys are 0. */
+void train_attention_forward_f32(const float *q, int64_t q_stride, const int64_t *q_start, const int64_t *q_len,
+                                 const float *k, const float *v, int64_t kv_stride, const int64_t *k_start,
+                                 const int64_t *k_len, const uint8_t *keep, int64_t B, int64_t H, int64_t T,
+                                 int64_t S, int dh, int causal, float scale, float *out, float *probs, int threads)
 {
+    const int64_t D = H * dh;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t bh = 0; bh < B * H; bh++) {
-        const int64_t b = bh / H, h = bh % H;
-        const float *qb = q + b * qs[0] + h * qs[1], *kb = k + b * ks[0] + h * ks[1], *vb = v + b * vs[0] + h * vs[1];
+        const int64_t b = bh / H, h = bh % H, Tb = q_len[b], Sb = k_len[b];
+        const float *qb = q + q_start[b] * q_stride + h * dh;
+        const float *kb = k + k_start[b] * kv_stride + h * dh, *vb = v + k_start[b] * kv_stride + h * dh;
+        float *ob = out + q_start[b] * D + h * dh;
         const uint8_t *kp = keep ? keep + b * S : 0;
         float sc[MAX_KEYS];
-        for (int64_t i = 0; i < T; i++) {
+        for (int64_t i = 0; i < Tb; i++) {
             float *p = probs + (bh * T + i) * S;
-            const int64_t lim = key_limit(i, S, causal);
-            dots(qb + i * qs[2], kb, ks[2], lim, dh, sc);
+            const int64_t lim = key_limit(i, Sb, causal);
+            dots(qb + i * q_stride, kb, kv_stride, lim, dh, sc);
             float m = -INFINITY;
             for (int64_t j = 0; j < lim; j++) {
                 sc[j] = (kp && !kp[j]) ? -INFINITY : sc[j] * scale;
@@ -135,44 +145,50 @@ void train_attention_forward_f32(const float *q, const float *k, const float *v,
                 if (p[j] == 0.0f)
                     continue;
                 const f8 pj = SPLAT(p[j]);
-                const float *vj = vb + j * vs[2];
+                const float *vj = vb + j * kv_stride;
                 for (int d = 0; d < dh / 8; d++)
                     acc[d] += pj * load8(vj, d * 8, 0);
             }
             for (int64_t j = lim; j < S; j++)
                 p[j] = 0.0f;
-            float *o = out + (bh * T + i) * dh;
-            memcpy(o, acc, dh * sizeof(float));
+            memcpy(ob + i * D, acc, dh * sizeof(float));
         }
     }
 }
 
-/* dq (B, H, T, dh), dk and dv (B, H, S, dh), contiguous, from the forward's inputs, its probs and the output's
-   gradient dout (B, H, T, dh), contiguous; masked keys have zero probabilities, so they need no mask here */
-void train_attention_backward_f32(const float *q, const float *k, const float *v, const int64_t *qs,
-                                  const int64_t *ks, const int64_t *vs, int64_t B, int64_t H, int64_t T, int64_t S,
-                                  int dh, int causal, float scale, const float *probs, const float *dout, float *dq,
-                                  float *dk, float *dv, int threads)
+/* dq (rows like q's, dq_stride floats apart), dk and dv (rows like k's, dkv_stride apart), every row of them
+   written, from the forward's inputs, its probs and the output's gradient dout (rows like out); masked keys
+   have zero probabilities, so they need no mask here */
+void train_attention_backward_f32(const float *q, int64_t q_stride, const int64_t *q_start, const int64_t *q_len,
+                                  const float *k, const float *v, int64_t kv_stride, const int64_t *k_start,
+                                  const int64_t *k_len, int64_t B, int64_t H, int64_t T, int64_t S, int dh,
+                                  int causal, float scale, const float *probs, const float *dout, float *dq,
+                                  int64_t dq_stride, float *dk, float *dv, int64_t dkv_stride, int threads)
 {
+    const int64_t D = H * dh;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t bh = 0; bh < B * H; bh++) {
-        const int64_t b = bh / H, h = bh % H;
-        const float *qb = q + b * qs[0] + h * qs[1], *kb = k + b * ks[0] + h * ks[1], *vb = v + b * vs[0] + h * vs[1];
-        float *dkb = dk + bh * S * dh, *dvb = dv + bh * S * dh;
-        memset(dkb, 0, S * dh * sizeof(float));
-        memset(dvb, 0, S * dh * sizeof(float));
+        const int64_t b = bh / H, h = bh % H, Tb = q_len[b], Sb = k_len[b];
+        const float *qb = q + q_start[b] * q_stride + h * dh;
+        const float *kb = k + k_start[b] * kv_stride + h * dh, *vb = v + k_start[b] * kv_stride + h * dh;
+        const float *gb = dout + q_start[b] * D + h * dh;
+        float *dqb = dq + q_start[b] * dq_stride + h * dh;
+        float *dkb = dk + k_start[b] * dkv_stride + h * dh, *dvb = dv + k_start[b] * dkv_stride + h * dh;
+        for (int64_t j = 0; j < Sb; j++) {
+            memset(dkb + j * dkv_stride, 0, dh * sizeof(float));
+            memset(dvb + j * dkv_stride, 0, dh * sizeof(float));
+        }
         float ds[MAX_KEYS];
-        for (int64_t i = 0; i < T; i++) {
-            const float *p = probs + (bh * T + i) * S, *go = dout + (bh * T + i) * dh, *qi = qb + i * qs[2];
-            const int64_t lim = key_limit(i, S, causal);
-            dots(go, vb, vs[2], lim, dh, ds);
-            float D = 0.0f;
+        for (int64_t i = 0; i < Tb; i++) {
+            const float *p = probs + (bh * T + i) * S, *go = gb + i * D, *qi = qb + i * q_stride;
+            const int64_t lim = key_limit(i, Sb, causal);
+            dots(go, vb, kv_stride, lim, dh, ds);
+            float Dsum = 0.0f;
             for (int64_t j = 0; j < lim; j++) {
                 if (p[j] == 0.0f)
                     continue;
-                const float dp = ds[j];
-                D += p[j] * dp;
-                axpy(dvb + j * dh, p[j], go, dh);
+                Dsum += p[j] * ds[j];
+                axpy(dvb + j * dkv_stride, p[j], go, dh);
             }
             f8 acc[MAX_DH / 8];
             for (int d = 0; d < dh / 8; d++)
@@ -180,14 +196,14 @@ void train_attention_backward_f32(const float *q, const float *k, const float *v
             for (int64_t j = 0; j < lim; j++) {
                 if (p[j] == 0.0f)
                     continue;
-                const float g = p[j] * (ds[j] - D) * scale;
+                const float g = p[j] * (ds[j] - Dsum) * scale;
                 const f8 gv = SPLAT(g);
-                const float *kj = kb + j * ks[2];
+                const float *kj = kb + j * kv_stride;
                 for (int d = 0; d < dh / 8; d++)
                     acc[d] += gv * load8(kj, d * 8, 0);
-                axpy(dkb + j * dh, g, qi, dh);
+                axpy(dkb + j * dkv_stride, g, qi, dh);
             }
-            memcpy(dq + (bh * T + i) * dh, acc, dh * sizeof(float));
+            memcpy(dqb + i * dq_stride, acc, dh * sizeof(float));
         }
     }
 }
