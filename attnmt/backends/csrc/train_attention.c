@@ -98,14 +98,24 @@ static inline int64_t key_limit(int64_t i, int64_t S, int causal) { return causa
 
 /* out (rows like q's, H*dh floats each) and probs (B, H, T, S) from q, k, v (see the layout above); T and S
    bound q_len and k_len; keep (B, S) bytes, 0 = masked key, or NULL. A query's probabilities past its keys are 0. */
-void train_attention_forward_f32(const float *q, int64_t q_stride, const int64_t *q_start, const int64_t *q_len,
-                                 const float *k, const float *v, int64_t kv_stride, const int64_t *k_start,
-                                 const int64_t *k_len, const uint8_t *keep, int64_t B, int64_t H, int64_t T,
-                                 int64_t S, int dh, int causal, float scale, float *out, float *probs, int threads)
+#define FORWARD_ARGS                                                                                             \
+    const float *q, int64_t q_stride, const int64_t *q_start, const int64_t *q_len, const float *k, const float *v, \
+        int64_t kv_stride, const int64_t *k_start, const int64_t *k_len, const uint8_t *keep, int64_t B,           \
+        int64_t H, int64_t T, int64_t S, int dh, int causal, float scale, float *out, float *probs
+#define FORWARD_PASS q, q_stride, q_start, q_len, k, v, kv_stride, k_start, k_len, keep, B, H, T, S
+#define BACKWARD_ARGS                                                                                            \
+    const float *q, int64_t q_stride, const int64_t *q_start, const int64_t *q_len, const float *k, const float *v, \
+        int64_t kv_stride, const int64_t *k_start, const int64_t *k_len, int64_t B, int64_t H, int64_t T,          \
+        int64_t S, int dh, int causal, float scale, const float *probs, const float *dout, float *dq,              \
+        int64_t dq_stride, float *dk, float *dv, int64_t dkv_stride
+#define BACKWARD_PASS q, q_stride, q_start, q_len, k, v, kv_stride, k_start, k_len, B, H, T, S
+
+/* one (sentence, head) task; inlined with dh a constant for the common head size, so that the loops over a
+   row unroll and a row's sums stay in registers */
+static inline __attribute__((always_inline)) void forward_task(FORWARD_ARGS, int64_t bh)
 {
-    const int64_t D = H * dh;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t bh = 0; bh < B * H; bh++) {
+    {
+        const int64_t D = H * dh;
         const int64_t b = bh / H, h = bh % H, Tb = q_len[b], Sb = k_len[b];
         const float *qb = q + q_start[b] * q_stride + h * dh;
         const float *kb = k + k_start[b] * kv_stride + h * dh, *vb = v + k_start[b] * kv_stride + h * dh;
@@ -156,18 +166,24 @@ void train_attention_forward_f32(const float *q, int64_t q_stride, const int64_t
     }
 }
 
+void train_attention_forward_f32(FORWARD_ARGS, int threads)
+{
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t bh = 0; bh < B * H; bh++) {
+        if (dh == 64)
+            forward_task(FORWARD_PASS, 64, causal, scale, out, probs, bh);
+        else
+            forward_task(FORWARD_PASS, dh, causal, scale, out, probs, bh);
+    }
+}
+
 /* dq (rows like q's, dq_stride floats apart), dk and dv (rows like k's, dkv_stride apart), every row of them
    written, from the forward's inputs, its probs and the output's gradient dout (rows like out); masked keys
    have zero probabilities, so they need no mask here */
-void train_attention_backward_f32(const float *q, int64_t q_stride, const int64_t *q_start, const int64_t *q_len,
-                                  const float *k, const float *v, int64_t kv_stride, const int64_t *k_start,
-                                  const int64_t *k_len, int64_t B, int64_t H, int64_t T, int64_t S, int dh,
-                                  int causal, float scale, const float *probs, const float *dout, float *dq,
-                                  int64_t dq_stride, float *dk, float *dv, int64_t dkv_stride, int threads)
+static inline __attribute__((always_inline)) void backward_task(BACKWARD_ARGS, int64_t bh)
 {
-    const int64_t D = H * dh;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t bh = 0; bh < B * H; bh++) {
+    {
+        const int64_t D = H * dh;
         const int64_t b = bh / H, h = bh % H, Tb = q_len[b], Sb = k_len[b];
         const float *qb = q + q_start[b] * q_stride + h * dh;
         const float *kb = k + k_start[b] * kv_stride + h * dh, *vb = v + k_start[b] * kv_stride + h * dh;
@@ -205,5 +221,16 @@ void train_attention_backward_f32(const float *q, int64_t q_stride, const int64_
             }
             memcpy(dqb + i * dq_stride, acc, dh * sizeof(float));
         }
+    }
+}
+
+void train_attention_backward_f32(BACKWARD_ARGS, int threads)
+{
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t bh = 0; bh < B * H; bh++) {
+        if (dh == 64)
+            backward_task(BACKWARD_PASS, 64, causal, scale, probs, dout, dq, dq_stride, dk, dv, dkv_stride, bh);
+        else
+            backward_task(BACKWARD_PASS, dh, causal, scale, probs, dout, dq, dq_stride, dk, dv, dkv_stride, bh);
     }
 }
