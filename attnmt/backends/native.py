@@ -263,20 +263,20 @@ class _FusedAttention(torch.autograd.Function):
         B, T, S = queries.start.numel(), queries.longest, keys.longest
         out = q.new_empty(q.size(0), width)
         probs = q.new_empty(B, heads, T, S)
-        k_ptr = src.data_ptr() + 4 * k_col
+        k_ptr = src.data_ptr() + 4 * k_col  # byte addresses: 4 bytes a float
         kernel.forward_fn(q.data_ptr(), q.stride(0), queries.start.data_ptr(), queries.length.data_ptr(), k_ptr,
                           k_ptr + 4 * width, src.stride(0), keys.start.data_ptr(), keys.length.data_ptr(),
                           None if keep is None else keep.data_ptr(), B, heads, T, S, dh, int(is_causal),
                           dh ** -0.5, out.data_ptr(), probs.data_ptr(), torch.get_num_threads())
         ctx.save_for_backward(q, kv, probs)
-        ctx.layout = (heads, queries, keys, is_causal, width, k_col)
+        ctx.layout = (heads, queries, keys, is_causal, width, dh, k_col)
         ctx.kernel = kernel
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         q, kv, probs = ctx.saved_tensors
-        heads, queries, keys, is_causal, width, k_col = ctx.layout
+        heads, queries, keys, is_causal, width, dh, k_col = ctx.layout
         src = q if kv is None else kv
         B, _, T, S = probs.shape
         grad = grad.contiguous()
@@ -286,8 +286,8 @@ class _FusedAttention(torch.autograd.Function):
         k_ptr, dk_ptr = src.data_ptr() + 4 * k_col, d_src.data_ptr() + 4 * k_col
         ctx.kernel.backward_fn(q.data_ptr(), q.stride(0), queries.start.data_ptr(), queries.length.data_ptr(),
                                k_ptr, k_ptr + 4 * width, src.stride(0), keys.start.data_ptr(),
-                               keys.length.data_ptr(), B, heads, T, S, width // heads, int(is_causal),
-                               (width // heads) ** -0.5, probs.data_ptr(), grad.data_ptr(), d_q.data_ptr(),
+                               keys.length.data_ptr(), B, heads, T, S, dh, int(is_causal), dh ** -0.5,
+                               probs.data_ptr(), grad.data_ptr(), d_q.data_ptr(),
                                d_q.stride(0), dk_ptr, dk_ptr + 4 * width, d_src.stride(0), torch.get_num_threads())
         return d_q, d_kv, None, None, None, None, None, None
 

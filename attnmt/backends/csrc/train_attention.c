@@ -114,55 +114,53 @@ static inline int64_t key_limit(int64_t i, int64_t S, int causal) { return causa
    row unroll and a row's sums stay in registers */
 static inline __attribute__((always_inline)) void forward_task(FORWARD_ARGS, int64_t bh)
 {
-    {
-        const int64_t D = H * dh;
-        const int64_t b = bh / H, h = bh % H, Tb = q_len[b], Sb = k_len[b];
-        const float *qb = q + q_start[b] * q_stride + h * dh;
-        const float *kb = k + k_start[b] * kv_stride + h * dh, *vb = v + k_start[b] * kv_stride + h * dh;
-        float *ob = out + q_start[b] * D + h * dh;
-        const uint8_t *kp = keep ? keep + b * S : 0;
-        float sc[MAX_KEYS];
-        for (int64_t i = 0; i < Tb; i++) {
-            float *p = probs + (bh * T + i) * S;
-            const int64_t lim = key_limit(i, Sb, causal);
-            dots(qb + i * q_stride, kb, kv_stride, lim, dh, sc);
-            float m = -INFINITY;
-            for (int64_t j = 0; j < lim; j++) {
-                sc[j] = (kp && !kp[j]) ? -INFINITY : sc[j] * scale;
-                m = sc[j] > m ? sc[j] : m;
-            }
-            float l = 0.0f;
-            if (m > -INFINITY) { /* exp(s - max) eight keys at a time (a masked key's -inf gives 0) */
-                const int64_t lim8 = (lim + 7) / 8 * 8;
-                for (int64_t j = lim; j < lim8; j++)
-                    sc[j] = -INFINITY;
-                f8 sum = SPLAT(0.0f);
-                for (int64_t j = 0; j < lim8; j += 8) {
-                    const f8 e = exp8(load8(sc, j, 0) - SPLAT(m));
-                    memcpy(sc + j, &e, sizeof e);
-                    sum += e;
-                }
-                l = hsum8(sum);
-            }
-            const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-            for (int64_t j = 0; j < lim; j++)
-                p[j] = l > 0.0f ? sc[j] : 0.0f;
-            f8 acc[MAX_DH / 8];
-            for (int d = 0; d < dh / 8; d++)
-                acc[d] = SPLAT(0.0f);
-            for (int64_t j = 0; j < lim; j++) {
-                p[j] *= inv;
-                if (p[j] == 0.0f)
-                    continue;
-                const f8 pj = SPLAT(p[j]);
-                const float *vj = vb + j * kv_stride;
-                for (int d = 0; d < dh / 8; d++)
-                    acc[d] += pj * load8(vj, d * 8, 0);
-            }
-            for (int64_t j = lim; j < S; j++)
-                p[j] = 0.0f;
-            memcpy(ob + i * D, acc, dh * sizeof(float));
+    const int64_t D = H * dh;
+    const int64_t b = bh / H, h = bh % H, Tb = q_len[b], Sb = k_len[b];
+    const float *qb = q + q_start[b] * q_stride + h * dh;
+    const float *kb = k + k_start[b] * kv_stride + h * dh, *vb = v + k_start[b] * kv_stride + h * dh;
+    float *ob = out + q_start[b] * D + h * dh;
+    const uint8_t *kp = keep ? keep + b * S : 0;
+    float sc[MAX_KEYS];
+    for (int64_t i = 0; i < Tb; i++) {
+        float *p = probs + (bh * T + i) * S;
+        const int64_t lim = key_limit(i, Sb, causal);
+        dots(qb + i * q_stride, kb, kv_stride, lim, dh, sc);
+        float m = -INFINITY;
+        for (int64_t j = 0; j < lim; j++) {
+            sc[j] = (kp && !kp[j]) ? -INFINITY : sc[j] * scale;
+            m = sc[j] > m ? sc[j] : m;
         }
+        float l = 0.0f;
+        if (m > -INFINITY) { /* exp(s - max) eight keys at a time (a masked key's -inf gives 0) */
+            const int64_t lim8 = (lim + 7) / 8 * 8;
+            for (int64_t j = lim; j < lim8; j++)
+                sc[j] = -INFINITY;
+            f8 sum = SPLAT(0.0f);
+            for (int64_t j = 0; j < lim8; j += 8) {
+                const f8 e = exp8(load8(sc, j, 0) - SPLAT(m));
+                memcpy(sc + j, &e, sizeof e);
+                sum += e;
+            }
+            l = hsum8(sum);
+        }
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        for (int64_t j = 0; j < lim; j++)
+            p[j] = l > 0.0f ? sc[j] : 0.0f;
+        f8 acc[MAX_DH / 8];
+        for (int d = 0; d < dh / 8; d++)
+            acc[d] = SPLAT(0.0f);
+        for (int64_t j = 0; j < lim; j++) {
+            p[j] *= inv;
+            if (p[j] == 0.0f)
+                continue;
+            const f8 pj = SPLAT(p[j]);
+            const float *vj = vb + j * kv_stride;
+            for (int d = 0; d < dh / 8; d++)
+                acc[d] += pj * load8(vj, d * 8, 0);
+        }
+        for (int64_t j = lim; j < S; j++)
+            p[j] = 0.0f;
+        memcpy(ob + i * D, acc, dh * sizeof(float));
     }
 }
 
@@ -182,45 +180,43 @@ void train_attention_forward_f32(FORWARD_ARGS, int threads)
    have zero probabilities, so they need no mask here */
 static inline __attribute__((always_inline)) void backward_task(BACKWARD_ARGS, int64_t bh)
 {
-    {
-        const int64_t D = H * dh;
-        const int64_t b = bh / H, h = bh % H, Tb = q_len[b], Sb = k_len[b];
-        const float *qb = q + q_start[b] * q_stride + h * dh;
-        const float *kb = k + k_start[b] * kv_stride + h * dh, *vb = v + k_start[b] * kv_stride + h * dh;
-        const float *gb = dout + q_start[b] * D + h * dh;
-        float *dqb = dq + q_start[b] * dq_stride + h * dh;
-        float *dkb = dk + k_start[b] * dkv_stride + h * dh, *dvb = dv + k_start[b] * dkv_stride + h * dh;
-        for (int64_t j = 0; j < Sb; j++) {
-            memset(dkb + j * dkv_stride, 0, dh * sizeof(float));
-            memset(dvb + j * dkv_stride, 0, dh * sizeof(float));
+    const int64_t D = H * dh;
+    const int64_t b = bh / H, h = bh % H, Tb = q_len[b], Sb = k_len[b];
+    const float *qb = q + q_start[b] * q_stride + h * dh;
+    const float *kb = k + k_start[b] * kv_stride + h * dh, *vb = v + k_start[b] * kv_stride + h * dh;
+    const float *gb = dout + q_start[b] * D + h * dh;
+    float *dqb = dq + q_start[b] * dq_stride + h * dh;
+    float *dkb = dk + k_start[b] * dkv_stride + h * dh, *dvb = dv + k_start[b] * dkv_stride + h * dh;
+    for (int64_t j = 0; j < Sb; j++) {
+        memset(dkb + j * dkv_stride, 0, dh * sizeof(float));
+        memset(dvb + j * dkv_stride, 0, dh * sizeof(float));
+    }
+    float ds[MAX_KEYS];
+    for (int64_t i = 0; i < Tb; i++) {
+        const float *p = probs + (bh * T + i) * S, *go = gb + i * D, *qi = qb + i * q_stride;
+        const int64_t lim = key_limit(i, Sb, causal);
+        dots(go, vb, kv_stride, lim, dh, ds);
+        float Dsum = 0.0f;
+        for (int64_t j = 0; j < lim; j++) {
+            if (p[j] == 0.0f)
+                continue;
+            Dsum += p[j] * ds[j];
+            axpy(dvb + j * dkv_stride, p[j], go, dh);
         }
-        float ds[MAX_KEYS];
-        for (int64_t i = 0; i < Tb; i++) {
-            const float *p = probs + (bh * T + i) * S, *go = gb + i * D, *qi = qb + i * q_stride;
-            const int64_t lim = key_limit(i, Sb, causal);
-            dots(go, vb, kv_stride, lim, dh, ds);
-            float Dsum = 0.0f;
-            for (int64_t j = 0; j < lim; j++) {
-                if (p[j] == 0.0f)
-                    continue;
-                Dsum += p[j] * ds[j];
-                axpy(dvb + j * dkv_stride, p[j], go, dh);
-            }
-            f8 acc[MAX_DH / 8];
+        f8 acc[MAX_DH / 8];
+        for (int d = 0; d < dh / 8; d++)
+            acc[d] = SPLAT(0.0f);
+        for (int64_t j = 0; j < lim; j++) {
+            if (p[j] == 0.0f)
+                continue;
+            const float g = p[j] * (ds[j] - Dsum) * scale;
+            const f8 gv = SPLAT(g);
+            const float *kj = kb + j * kv_stride;
             for (int d = 0; d < dh / 8; d++)
-                acc[d] = SPLAT(0.0f);
-            for (int64_t j = 0; j < lim; j++) {
-                if (p[j] == 0.0f)
-                    continue;
-                const float g = p[j] * (ds[j] - Dsum) * scale;
-                const f8 gv = SPLAT(g);
-                const float *kj = kb + j * kv_stride;
-                for (int d = 0; d < dh / 8; d++)
-                    acc[d] += gv * load8(kj, d * 8, 0);
-                axpy(dkb + j * dkv_stride, g, qi, dh);
-            }
-            memcpy(dqb + i * dq_stride, acc, dh * sizeof(float));
+                acc[d] += gv * load8(kj, d * 8, 0);
+            axpy(dkb + j * dkv_stride, g, qi, dh);
         }
+        memcpy(dqb + i * dq_stride, acc, dh * sizeof(float));
     }
 }
 
