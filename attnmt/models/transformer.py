@@ -379,12 +379,11 @@ class MultiHeadAttention(AttentionKernel, DropoutKernel, nn.Module):
         qkv = self.qkv_proj(x)
         length = x.size(1) if rows is None else rows.length
         kernel = self._kernel(length, length)
-        if kernel is not None:  # the heads read and written where the projections put them (a backend's kernel)
-            flat = qkv.reshape(-1, qkv.size(-1))
+        if kernel is not None:
             queries = rows.sentences if rows is not None else SentenceRows.grid(x.size(0), length, x.device)
-            if kernel.supports(flat, None, self.num_heads, queries, mask):
-                out = kernel.attend(flat, None, self.num_heads, queries, queries, mask, is_causal)
-                return self.out_proj(out.view(*x.shape[:-1], out.size(-1)))
+            out = self._attend_rows(kernel, x, qkv, None, queries, queries, mask, is_causal)
+            if out is not None:
+                return out
         return self.attend(*self._qkv_heads(qkv, rows), mask=mask, is_causal=is_causal, rows=rows)
 
     def cross_attention(self, x: Tensor, memory: Tensor, mask: Tensor | None,
@@ -395,14 +394,24 @@ class MultiHeadAttention(AttentionKernel, DropoutKernel, nn.Module):
         B, S, _ = memory.shape
         kernel = self._kernel(x.size(1) if rows is None else rows.length, S)
         if kernel is not None:
-            flat_q, flat_kv = q.reshape(-1, q.size(-1)), kv.reshape(-1, kv.size(-1))
-            keys = SentenceRows.grid(B, S, memory.device)
-            if kernel.supports(flat_q, flat_kv, self.num_heads, keys, mask):
-                queries = rows.sentences if rows is not None else SentenceRows.grid(B, x.size(1), x.device)
-                out = kernel.attend(flat_q, flat_kv, self.num_heads, queries, keys, mask, False)
-                return self.out_proj(out.view(*x.shape[:-1], out.size(-1)))
+            queries = rows.sentences if rows is not None else SentenceRows.grid(B, x.size(1), x.device)
+            out = self._attend_rows(kernel, x, q, kv, queries, SentenceRows.grid(B, S, memory.device), mask, False)
+            if out is not None:
+                return out
         q = rows.split_heads(q, 1, self.num_heads)[0] if rows is not None else self._split_heads(q)
         return self.attend(q, *self._kv_heads(kv), mask=mask, rows=rows)
+
+    def _attend_rows(self, kernel: TrainingAttention, x: Tensor, q: Tensor, kv: Tensor | None,
+                     queries: SentenceRows, keys: SentenceRows, mask: Tensor | None,
+                     is_causal: bool) -> Tensor | None:
+        """W^O of the kernel's heads, read and written where the projections put them (``q``, ``kv`` as they came
+        from them); shaped as ``x``. None where the kernel does not take these operands."""
+        q = q.reshape(-1, q.size(-1))
+        kv = None if kv is None else kv.reshape(-1, kv.size(-1))
+        if not kernel.supports(q, kv, self.num_heads, keys, mask):
+            return None
+        out = kernel.attend(q, kv, self.num_heads, queries, keys, mask, is_causal)
+        return self.out_proj(out.view(*x.shape[:-1], out.size(-1)))
 
     def _kernel(self, queries: int, keys: int) -> TrainingAttention | None:
         """The backend's attention kernel where the plain form would run without dropout, else None."""
