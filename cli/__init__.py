@@ -76,13 +76,30 @@ class LazyGroup(click.Group):
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.option("--user-dir", multiple=True, metavar="PATH",
               help="Import a local plugin module or package (repeatable); its registrations become available.")
-@click.version_option(package_name="attnmt")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=lambda ctx, _p, v: _version(ctx, v),
+              help="Show the version, the hardware attnmt found and the compiled kernels' state, and exit.")
 def cli(user_dir):
     """attnmt: neural machine translation with the Transformer of Vaswani et al. (2017).
 
     \b
     Pipeline:  preprocess -> train -> average-checkpoints -> generate | score
     """
+
+
+def _version(ctx: click.Context, value: bool) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    import platform
+    from importlib.metadata import version
+
+    import torch
+
+    from attnmt.backends import report
+
+    click.echo(f"attnmt {version('attnmt')} (torch {torch.__version__}, Python {platform.python_version()})")
+    for line in report():
+        click.echo(line)
+    ctx.exit()
 
 
 class _PipeClosed(Exception):

@@ -29,3 +29,9 @@ def command(kind, show_options):
                     default = f.default if f.default is not __import__("dataclasses").MISSING else "(required)"
                     click.echo(f"      {option_name(fname)} = {default!r}  {f.metadata.get('help', '')}")
         click.echo()
+    if not kind:
+        from attnmt.backends import report
+
+        click.echo("hardware:")
+        for line in report():
+            click.echo(f"  {line}")

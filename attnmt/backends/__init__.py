@@ -21,7 +21,7 @@ from attnmt.backends.devices import resolve_device, training_device
 from attnmt.backends.precision import PRECISIONS, Precision, resolve_precision
 
 __all__ = ["Backend", "CpuCapabilities", "Mode", "PRECISIONS", "Precision", "backend_for", "configure_process",
-           "cpu", "resolve_device", "resolve_precision", "training_device"]
+           "cpu", "report", "resolve_device", "resolve_precision", "training_device"]
 
 
 def backend_for(device, precision: str = "fp32") -> Backend:
@@ -52,3 +52,20 @@ def configure_process(mode: Mode, device: str = "auto") -> dict:
     except RuntimeError:
         return {}  # the command reports the bad --device itself
     return backend_for(dev).configure_process(mode)
+
+
+def report() -> list[str]:
+    """What this machine gives attnmt, a line each (``attnmt --version``, ``attnmt list``): the CPU and its bf16,
+    the compiled CPU kernels' state (without building them), the GPUs."""
+    import torch
+
+    from attnmt.backends import native
+
+    caps = cpu()
+    lines = [f"cpu: {caps.describe()}", f"compiled CPU kernels: {native.status(native.target(caps))}"]
+    if torch.cuda.is_available():
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        lines.append(f"cuda: {', '.join(names)}")
+    else:
+        lines.append("cuda: none")
+    return lines

@@ -257,4 +257,7 @@ class CpuBackend(Backend):
         return done
 
     def describe(self) -> str:
-        return f"cpu ({self.caps.describe()}), {self.precision}"
+        from attnmt.backends import native
+
+        return (f"cpu ({self.caps.describe()}), {self.precision}; compiled kernels "
+                f"{native.status(native.target(self.caps))}")

@@ -30,7 +30,9 @@ the same on purpose (to compare, or to rule the kernels out).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -38,7 +40,9 @@ import os
 import platform
 import shlex
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -51,6 +55,8 @@ from attnmt.models.interface import DropoutMasks, ScoreKernel, StepAttention, St
 from attnmt.models.packing import SentenceRows
 
 SWITCH = "ATTNMT_CPU_KERNELS"
+TIMEOUT_SWITCH = "ATTNMT_KERNEL_BUILD_TIMEOUT"
+_SAID = "_ATTNMT_KERNELS_SAID"  # set once the warning was printed (inherited by worker processes)
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("step_attention.c", "logsumexp.c", "smoothed_loss.c", "train_attention.c", "dropout.c"))
 HEADERS = (Path(__file__).with_name("csrc") / "vec.h",)
@@ -91,38 +97,171 @@ def compile_flags(isa: str, openmp: bool = True) -> list[str]:
     return flags
 
 
-def build(isa: str, directory: Path | None = None, openmp: bool = True) -> Path:
-    """The kernels' library for ``isa``, compiled unless a build of the same sources and flags is cached.
+class Unavailable(Exception):
+    """The kernels cannot be had; the message is one phrase saying why and what to do."""
 
-    The compiler is ``$CC`` (split into words as a shell would), else ``cc`` or ``gcc`` on the PATH. Raises
-    ``OSError`` where there is no C compiler, ``subprocess.CalledProcessError`` where it fails. A finished
-    build appears under its final name only once complete (written elsewhere, then renamed), so concurrent
-    processes never load half a file.
-    """
-    compiler = shlex.split(os.environ.get("CC", ""))  # several words as in make, e.g. CC="ccache gcc"
-    if not compiler:
-        found = shutil.which("cc") or shutil.which("gcc")
-        if not found:
-            raise OSError("no C compiler (cc or gcc) on PATH; set CC to use one")
-        compiler = [found]
-    flags = compile_flags(isa, openmp)
+
+def _compiler() -> list[str]:
+    """The compiler command: ``$CC`` split into words as a shell would (``CC="ccache gcc"``), else ``cc`` or
+    ``gcc`` on the PATH."""
+    raw = os.environ.get("CC", "")
+    try:
+        words = shlex.split(raw)
+    except ValueError as e:
+        raise Unavailable(f"CC={raw!r} does not parse as a command ({e}); fix or unset CC") from None
+    if words:
+        return words
+    found = shutil.which("cc") or shutil.which("gcc")
+    if not found:
+        raise Unavailable("no C compiler (cc or gcc) on the PATH; install gcc or set CC")
+    return [found]
+
+
+def has_compiler() -> bool:
+    """Whether a C compiler is there to build the kernels with (``$CC`` or ``cc``/``gcc`` on the PATH)."""
+    try:
+        words = _compiler()
+    except Unavailable:
+        return False
+    return shutil.which(words[0]) is not None or os.path.isfile(words[0])
+
+
+def build_timeout() -> float:
+    """Seconds a build may take before it is stopped (``$ATTNMT_KERNEL_BUILD_TIMEOUT``, default 120)."""
+    raw = os.environ.get(TIMEOUT_SWITCH, "")
+    try:
+        value = float(raw) if raw.strip() else 120.0
+    except ValueError:
+        value = 120.0
+    return value if 0 < value < float("inf") else 120.0
+
+
+def _run(command: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """``command`` with its output captured; past ``timeout`` seconds its whole process group is killed (a
+    compiler driver's children included) and ``subprocess.TimeoutExpired`` raised."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    if proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, command, out, err)
+    return subprocess.CompletedProcess(command, 0, out, err)
+
+
+def _failure_file(directory: Path, compiler: list[str], flags: list[str]) -> Path:
+    """Where a failed build of these sources with this compiler command and these flags is remembered."""
     digest = hashlib.sha256(" ".join([*compiler, platform.machine(), *flags]).encode())
     for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
-    directory = directory or cache_dir()
-    target = directory / f"kernels-{digest.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
-    os.close(fd)
+    return directory / f"failed-{digest.hexdigest()[:16]}.txt"
+
+
+def _identity(compiler: list[str], timeout: float) -> str:
+    """The compiler's version line and the C library's version: a cache entry is never shared by builds of
+    another compiler or for another C library."""
     try:
-        subprocess.run([*compiler, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True,
-                       text=True, timeout=120)
-        os.replace(tmp, target)
+        version = _run([*compiler, "--version"], timeout).stdout.strip().splitlines()[:1]
+    except subprocess.TimeoutExpired:
+        raise Unavailable(f"'{' '.join(compiler)} --version' did not answer within {timeout:.0f} s") from None
+    except subprocess.CalledProcessError as e:
+        raise Unavailable(f"'{' '.join(compiler)} --version' failed (exit {e.returncode})") from None
+    except OSError as e:
+        raise Unavailable(f"the C compiler {compiler[0]!r} cannot be run ({e.strerror or e}); install gcc or set "
+                          f"CC") from None
+    return " ".join([*version, *platform.libc_ver()])
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        os.close(fd)
+
+
+def verified(library: Path) -> bool:
+    """Whether ``library`` is a complete build of ours: its bytes match the checksum written beside it at the
+    end of its build (a truncated or replaced file would crash the process that loads it)."""
+    check = library.with_suffix(".sha256")
+    try:
+        return check.read_text(encoding="ascii").strip() == _digest(library)
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive lock on ``path`` (created if needed), held for the block: one build per key at a time."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _library_path(directory: Path, compiler: list[str], flags: list[str], timeout: float) -> Path:
+    """The cache entry of a build: named by the sources, the flags, the compiler and its version, the C library."""
+    digest = hashlib.sha256(" ".join([*compiler, _identity(compiler, timeout), platform.machine(), *flags]).encode())
+    for source in SOURCES + HEADERS:
+        digest.update(source.read_bytes())
+    return directory / f"kernels-{digest.hexdigest()[:16]}.so"
+
+
+def build(isa: str, directory: Path | None = None, openmp: bool = True) -> Path:
+    """The kernels' library for ``isa``, compiled unless a verified build of the same sources, flags, compiler
+    version and C library is cached.
+
+    The compiler is ``$CC`` (split into words as a shell would), else ``cc`` or ``gcc`` on the PATH. Raises
+    :class:`Unavailable` where there is no usable C compiler, ``subprocess.CalledProcessError`` where it fails
+    and ``subprocess.TimeoutExpired`` where it takes longer than :func:`build_timeout`. One process builds a key
+    at a time (a lock per key); the library and its checksum are written elsewhere, flushed to disk and renamed
+    into place, so no process ever loads half a file, and a damaged cached file (:func:`verified`) is built again.
+    """
+    compiler = _compiler()
+    flags = compile_flags(isa, openmp)
+    timeout = build_timeout()
+    directory = directory or cache_dir()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise Unavailable(f"the kernel cache {directory} cannot be created ({e.strerror or e}); set "
+                          f"ATTNMT_CACHE_DIR to a writable directory") from None
+    target = _library_path(directory, compiler, flags, timeout)
+    if verified(target):
+        return target
+    with _locked(target.with_suffix(".lock")):
+        if verified(target):  # another process built it while this one waited
+            return target
+        fd, tmp = tempfile.mkstemp(suffix=".so.tmp", dir=directory)
+        os.close(fd)
+        check_tmp = Path(tmp).with_suffix(".sha256.tmp")
+        try:
+            _run([*compiler, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], timeout)
+            _fsync(Path(tmp))
+            check_tmp.write_text(_digest(Path(tmp)) + "\n", encoding="ascii")
+            _fsync(check_tmp)
+            os.replace(check_tmp, target.with_suffix(".sha256"))
+            os.replace(tmp, target)
+            _fsync(directory)
+        finally:
+            for leftover in (Path(tmp), check_tmp):
+                with contextlib.suppress(FileNotFoundError):
+                    leftover.unlink()
     return target
 
 
@@ -359,22 +498,121 @@ class CompiledDropout(DropoutMasks):
         return out
 
 
+# every function the classes below bind: a library missing one is not a build of these sources
+SYMBOLS = ("step_attention_f32", "step_attention_bf16", "step_attention_max_dh", "logsumexp_blocks_f32",
+           "logsumexp_blocks_bf16", "smoothed_loss_f32", "smoothed_loss_bf16", "train_attention_forward_f32",
+           "train_attention_backward_f32", "train_attention_max_dh", "train_attention_max_keys", "dropout_add_f32",
+           "dropout_add_bf16", "dropout_block_elements")
+_status: dict[str, str] = {}  # isa -> what happened in this process ("on (...)" or "off (...)")
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    """``path`` loaded, once :func:`verified`, with every function of :data:`SYMBOLS` present."""
+    if not verified(path):
+        raise Unavailable(f"{path} does not match its checksum")
+    lib = ctypes.CDLL(str(path))
+    missing = [name for name in SYMBOLS if not hasattr(lib, name)]
+    if missing:
+        raise Unavailable(f"{path} lacks {', '.join(missing[:2])}")
+    return lib
+
+
+def _discard(path: Path) -> None:
+    for p in (path, path.with_suffix(".sha256")):
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+
+
+def _build_and_load(isa: str) -> tuple[ctypes.CDLL, Path]:
+    """Build (or find) and load the library; a cached file that fails to load is deleted and built again once."""
+    try:
+        path = build(isa)
+        openmp = True
+    except subprocess.CalledProcessError:  # e.g. clang without an OpenMP runtime: the kernels on one thread
+        path = build(isa, openmp=False)
+        openmp = False
+    try:
+        return _load(path), path
+    except (OSError, Unavailable) as e:
+        log.info("the cached kernels %s failed to load (%s); building them again", path, e)
+        _discard(path)
+        path = build(isa, openmp=openmp)
+        return _load(path), path
+
+
+def _say(message: str) -> None:
+    """One warning line on stderr, once for a process and the worker processes it starts."""
+    if os.environ.get(_SAID):
+        return
+    os.environ[_SAID] = "1"
+    print(f"attnmt: warning: {message}", file=sys.stderr, flush=True)
+
+
 @functools.cache
 def library(isa: str) -> ctypes.CDLL | None:
     """The compiled kernels for PyTorch's CPU capability ``isa``, or None where they cannot be had (no compiler,
-    a failed build, ``ATTNMT_CPU_KERNELS=0``); built or loaded once per process."""
+    a failed or timed-out build, ``ATTNMT_CPU_KERNELS=0``); built or loaded once per process. A failed build is
+    said once on stderr and remembered in the cache (``failed-*.txt``), so later runs do not wait on it again."""
     if os.environ.get(SWITCH, "").strip() == "0":
+        _status[isa] = f"off ({SWITCH}=0)"
         return None
+    failure: Path | None = None  # where a failed build is remembered (None: nothing worth remembering)
     try:
-        try:
-            path = build(isa)
-        except subprocess.CalledProcessError:  # e.g. clang without an OpenMP runtime: the kernels on one thread
-            path = build(isa, openmp=False)
-        return ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", "") or str(e)
-        log.info("the compiled kernels are not available (%s); using PyTorch's", detail.strip()[:300])
+        compiler = _compiler()
+        remembered = _failure_file(cache_dir(), compiler, compile_flags(isa))
+        if remembered.exists():
+            reason = remembered.read_text(encoding="utf-8", errors="replace").strip()[:300]
+            raise Unavailable(f"an earlier build failed ({reason}); delete {remembered} to try again")
+        failure = remembered
+        lib, path = _build_and_load(isa)
+    except (OSError, Unavailable, subprocess.SubprocessError) as e:
+        reason = _reason(e)
+        if failure is not None:
+            with contextlib.suppress(OSError):
+                failure.write_text(reason + "\n", encoding="utf-8")
+        _status[isa] = f"off ({reason})"
+        _say(f"the compiled CPU kernels are off: {reason}. Using PyTorch's operations instead (the same results "
+             f"up to rounding, slower).")
         return None
+    _status[isa] = f"on ({path})"
+    return lib
+
+
+def _reason(e: BaseException) -> str:
+    """A failed build or load in one phrase."""
+    if isinstance(e, subprocess.TimeoutExpired):
+        return (f"the C compiler took longer than {e.timeout:.0f} s and was stopped (raise "
+                f"{TIMEOUT_SWITCH} to wait longer)")
+    if isinstance(e, subprocess.CalledProcessError):
+        first = next((line for line in (e.stderr or "").splitlines() if "error" in line.lower()),
+                     (e.stderr or "").strip()[:200])
+        return f"the C compiler failed (exit {e.returncode}): {first.strip()[:200]}"
+    if isinstance(e, OSError):
+        return f"{e.strerror or e}{f' ({e.filename})' if e.filename else ''}"
+    return str(e)
+
+
+def status(isa: str) -> str:
+    """The kernels' state for ``isa`` in one phrase, without building anything: what happened in this process,
+    else what the cache holds (for ``attnmt --version``, ``attnmt list`` and the training start line)."""
+    if isa in _status:
+        return _status[isa]
+    if os.environ.get(SWITCH, "").strip() == "0":
+        return f"off ({SWITCH}=0)"
+    try:
+        compiler = _compiler()
+    except Unavailable as e:
+        return f"off ({e})"
+    failure = _failure_file(cache_dir(), compiler, compile_flags(isa))
+    if failure.exists():
+        return f"off (an earlier build failed; delete {failure} to try again)"
+    try:
+        cached = _library_path(cache_dir(), compiler, compile_flags(isa), 10.0)
+    except Unavailable as e:
+        return f"off ({e})"
+    if verified(cached):
+        return f"built ({cached})"
+    return f"built on first use with {' '.join(compiler)} into {cache_dir()}"
 
 
 @functools.cache
@@ -410,6 +648,9 @@ def dropout_masks(isa: str) -> CompiledDropout | None:
 
 
 def clear() -> None:
-    """Forget the loaded kernels (the next call builds or loads them again; for tests)."""
+    """Forget the loaded kernels and what was said about them (the next call builds or loads them again; for
+    tests)."""
     library.cache_clear()
     _kernel.cache_clear()
+    _status.clear()
+    os.environ.pop(_SAID, None)

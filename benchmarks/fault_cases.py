@@ -1,0 +1,500 @@
+"""Faulty and hostile uses of every command, run as a user would run them, each with a verdict.
+
+    python benchmarks/fault_cases.py --data ../shared/data/multi30k [--python PYTHON] [--only KIND] [--work DIR]
+
+Builds a small real pipeline first (2,000 Multi30k pairs, SentencePiece, a small model trained for 40 updates),
+then runs each case in a fresh directory and prints a markdown table: kind, case, command, exit status, verdict.
+A case is clean when the command did what docs/failure-modes.md promises: for a user error, exit 1 with one
+``attnmt: error:`` line and no traceback; for a fault attnmt must absorb, exit 0 with the right output; plus each
+case's own check (nothing lost, nothing left behind, no process left running). ``--python`` runs another
+installation of attnmt (``PYTHON -m attnmt.cli``), e.g. an older checkout's, to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+TINY = ("--arch transformer_small --encoder-layers 1 --decoder-layers 1 --encoder-embed-dim 32 "
+        "--decoder-embed-dim 32 --encoder-ffn-embed-dim 64 --decoder-ffn-embed-dim 64 "
+        "--encoder-attention-heads 2 --decoder-attention-heads 2")
+
+
+@dataclass
+class Result:
+    rc: int
+    out: str
+    err: str
+    cwd: Path
+
+    @property
+    def traceback(self) -> bool:
+        return "Traceback (most recent call last)" in self.err
+
+    @property
+    def user_error(self) -> bool:
+        lines = [x for x in self.err.strip().splitlines() if x.strip()]
+        return self.rc == 1 and bool(lines) and lines[-1].startswith("attnmt: error:") and not self.traceback
+
+
+@dataclass
+class Case:
+    kind: str
+    name: str
+    command: str  # shell; $A is attnmt, $BIN the data-bin, $MODEL the checkpoint, $RAW the raw text prefix
+    check: Callable[[Result], str | None]  # None: clean, else what went wrong
+    setup: Callable[[Path], None] | None = None
+    env: dict | None = None
+    timeout: float = 180
+
+
+def expect_error(*words: str) -> Callable[[Result], str | None]:
+    """Clean: exit 1, one 'attnmt: error:' line naming each of ``words``, no traceback."""
+    def check(r: Result) -> str | None:
+        if r.traceback:
+            return "traceback"
+        if not r.user_error:
+            return f"exit {r.rc}, no one-line error"
+        last = r.err.strip().splitlines()[-1]
+        missing = [w for w in words if w.lower() not in last.lower()]
+        return f"the error does not name {', '.join(missing)}" if missing else None
+    return check
+
+
+def expect_ok(extra: Callable[[Result], str | None] | None = None) -> Callable[[Result], str | None]:
+    def check(r: Result) -> str | None:
+        if r.traceback:
+            return "traceback"
+        if r.rc != 0:
+            return f"exit {r.rc}: {(r.err.strip().splitlines() or [''])[-1][:80]}"
+        return extra(r) if extra else None
+    return check
+
+
+def both(*checks):
+    def check(r: Result) -> str | None:
+        for c in checks:
+            bad = c(r)
+            if bad:
+                return bad
+        return None
+    return check
+
+
+def no_files(pattern: str, where: str = "."):
+    def check(r: Result) -> str | None:
+        left = sorted(str(p.relative_to(r.cwd)) for p in (r.cwd / where).rglob(pattern))
+        return f"left behind: {', '.join(left[:3])}" if left else None
+    return check
+
+
+def says(text: str):
+    def check(r: Result) -> str | None:
+        return None if text.lower() in r.err.lower() else f"stderr does not say {text!r}"
+    return check
+
+
+# ------------------------------------------------------------------------------------------------ the pipeline
+
+
+def build_fixture(work: Path, data: Path, attnmt: str) -> dict[str, str]:
+    raw = work / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    for split, src, n in (("train", "train", 2000), ("valid", "val", 100), ("test", "test_2016_flickr", 100)):
+        for lang in ("en", "de"):
+            with gzip.open(data / f"{src}.{lang}.gz", "rt", encoding="utf-8") as f:
+                lines = [next(f) for _ in range(n)]
+            (raw / f"{split}.{lang}").write_text("".join(lines), encoding="utf-8")
+    bin_ = work / "bin"
+    ckpt = work / "ckpt"
+    if not (ckpt / "checkpoint_last.pt").exists():
+        run(f"{attnmt} preprocess -q -s en -t de --trainpref raw/train --validpref raw/valid --testpref raw/test "
+            f"--destdir bin --bpe sentencepiece --vocab-size 600 --joined-dictionary", work, check=True)
+        run(f"{attnmt} train bin {TINY} --max-tokens 2048 --lr 2e-3 --warmup-updates 10 --max-update 40 "
+            f"--save-dir ckpt --progress none --threads 2", work, check=True, timeout=600)
+    return {"BIN": str(bin_), "MODEL": str(ckpt / "checkpoint_last.pt"), "RAW": str(raw)}
+
+
+def run(command: str, cwd: Path, env: dict | None = None, check: bool = False, timeout: float = 180) -> Result:
+    p = subprocess.run(["bash", "-c", command], cwd=cwd, env={**os.environ, **(env or {})}, capture_output=True,
+                       text=True, errors="replace", timeout=timeout)
+    r = Result(p.returncode, p.stdout, p.stderr, cwd)
+    if check and p.returncode:
+        raise SystemExit(f"fixture step failed: {command}\n{p.stderr[-2000:]}")
+    return r
+
+
+# ------------------------------------------------------------------------------------------------ the cases
+
+
+def _truncate_library(cache: Path) -> None:
+    for so in cache.glob("*.so"):
+        so.write_bytes(so.read_bytes()[: so.stat().st_size // 3])
+
+
+def _foreign_library(cache: Path) -> None:
+    for so in cache.glob("*.so"):
+        c = so.with_suffix(".c")
+        c.write_text("int unrelated(void) { return 1; }\n")
+        subprocess.run(["cc", "-shared", "-fPIC", str(c), "-o", str(so)], check=True)
+        c.unlink()
+
+
+def kernel_cases() -> list[Case]:
+    translate = "echo 'A man is riding a bike.' | $A translate --path $MODEL --threads 2"
+
+    def warm(corrupt):
+        def setup(d: Path) -> None:
+            run(translate.replace("$A", os.environ["_A"]).replace("$MODEL", os.environ["_MODEL"]), d,
+                env={"ATTNMT_CACHE_DIR": str(d / "cache")}, check=True)
+            corrupt(d / "cache")
+        return setup
+
+    def translated(r: Result) -> str | None:
+        return None if r.out.strip() else "no translation"
+
+    def rebuilt(r: Result) -> str | None:
+        return None if any((r.cwd / "cache").glob("*.so")) else "no library in the cache afterwards"
+
+    env = {"ATTNMT_CACHE_DIR": "cache"}
+    return [
+        Case("kernels", "truncated cached library", translate, both(expect_ok(translated), rebuilt),
+             setup=warm(_truncate_library), env=env),
+        Case("kernels", "cached library that is not ours", translate, both(expect_ok(translated), rebuilt),
+             setup=warm(_foreign_library), env=env),
+        Case("kernels", "CC that does not parse", translate, both(expect_ok(translated), says("kernels")),
+             env={**env, "CC": "gcc 'unbalanced"}),
+        Case("kernels", "a compiler that hangs (build limit 5 s)",
+             f"{translate} && {translate}",
+             both(expect_ok(translated), says("kernels"),
+                  lambda r: None if r.err.lower().count("kernels") <= 3 else "waited again on the second run"),
+             env={**env, "CC": "sh -c 'sleep 30' cc", "ATTNMT_KERNEL_BUILD_TIMEOUT": "5"}, timeout=170),
+        Case("kernels", "a failing build is said", translate, both(expect_ok(translated), says("kernels")),
+             env={**env, "CC": "false"}),
+    ]
+
+
+def _write(path: str, text: str | bytes):
+    def setup(d: Path) -> None:
+        p = d / path
+        p.parent.mkdir(parents=True, exist_ok=True)
+        (p.write_bytes if isinstance(text, bytes) else p.write_text)(text)
+    return setup
+
+
+def _copy_ckpt(d: Path) -> None:
+    import shutil
+
+    shutil.copytree(Path(os.environ["_MODEL"]).parent, d / "ckpt")
+
+
+def _kill_first_save(d: Path) -> None:
+    """A run killed after its first update-interval checkpoint and before checkpoint_last.pt."""
+    import shutil
+
+    shutil.copytree(os.environ["_BIN"], d / "bin")
+    run(f"{os.environ['_A']} train bin {TINY} --max-tokens 2048 --max-update 4 --save-interval-updates 2 "
+        f"--save-dir ckpt --progress none --threads 2 --no-background-save", d, check=True)
+    (d / "ckpt" / "checkpoint_last.pt").unlink()
+    for p in (d / "ckpt").glob("checkpoint*.pt"):
+        if p.name != "checkpoint_1_2.pt":
+            p.unlink()
+
+
+def _log_consistent(r: Result) -> str | None:
+    updates = []
+    for line in (r.cwd / "ckpt" / "train.jsonl").read_text(encoding="utf-8").splitlines():
+        rec = json.loads(line)
+        if rec.get("kind", rec.get("split")) == "train" or "update" in rec:
+            updates.append(rec.get("update", rec.get("num_updates")))
+    updates = [u for u in updates if u is not None]
+    return None if updates == sorted(updates) and len(set(updates)) == len(updates) else "train.jsonl repeats updates"
+
+
+def checkpoint_cases() -> list[Case]:
+    train = (f"$A train bin {TINY} --max-tokens 2048 --max-update 6 --save-interval-updates 2 --save-dir ckpt "
+             f"--progress none --threads 2")
+
+    def copy_bin_and(*more):
+        def setup(d: Path) -> None:
+            import shutil
+
+            shutil.copytree(os.environ["_BIN"], d / "bin")
+            for m in more:
+                m(d)
+        return setup
+
+    def unterminated(d: Path) -> None:
+        run(train.replace("$A", os.environ["_A"]).replace("--max-update 6", "--max-update 2"), d, check=True)
+        with open(d / "ckpt" / "train.jsonl", "a", encoding="utf-8") as f:
+            f.write('{"kind": "train", "upd')
+
+    def bad_utf8(d: Path) -> None:
+        run(train.replace("$A", os.environ["_A"]).replace("--max-update 6", "--max-update 2"), d, check=True)
+        with open(d / "ckpt" / "train.jsonl", "ab") as f:
+            f.write(b'{"kind": "note", "text": "\xff\xfe"}\n')
+
+    return [
+        Case("checkpoints", "kill during the first save, then resume", train, both(expect_ok(), _log_consistent),
+             setup=_kill_first_save),
+        Case("checkpoints", "resume after an unterminated train.jsonl line, then plot",
+             f"{train} && $A plot curves ckpt/train.jsonl --output curves.png", expect_ok(),
+             setup=copy_bin_and(unterminated)),
+        Case("checkpoints", "resume with a non-UTF-8 byte in train.jsonl", train, expect_ok(),
+             setup=copy_bin_and(bad_utf8)),
+    ]
+
+
+def _stale(name: str):
+    return _write(name, "half")
+
+
+def temp_cases() -> list[Case]:
+    prep = ("$A preprocess -q -s en -t de --trainpref $RAW/train --validpref $RAW/valid --destdir out "
+            "--bpe sentencepiece --vocab-size 600 --joined-dictionary")
+    return [
+        Case("temp files", "stale temp files of a killed preprocess", prep, both(expect_ok(), no_files("*.tmp")),
+             setup=_write("out/.train.en-de.en.bin.999999.x.tmp", "half")),
+        Case("temp files", "stale temp file of a killed generate --output",
+             "$A generate $BIN --path $MODEL --gen-subset test --output out.txt --quiet",
+             both(expect_ok(), no_files("*.tmp")), setup=_write(".out.txt.999999.x.tmp", "half")),
+        Case("temp files", "stale temp file of a killed average-checkpoints",
+             "$A average-checkpoints --inputs ckpt/checkpoint_last.pt ckpt/checkpoint_last.pt --output avg.pt",
+             both(expect_ok(), no_files("*.tmp")),
+             setup=lambda d: (_copy_ckpt(d), _write(".avg.pt.999999.x.tmp", "half")(d))),
+        Case("temp files", "export into a full disk (ulimit -f), then export again",
+             "(ulimit -f 64; $A export --path $MODEL --to ctranslate2 --output-dir ct2); "
+             "$A export --path $MODEL --to ctranslate2 --output-dir ct2", expect_ok()),
+        Case("temp files", "preprocess past the file-size limit names the file",
+             f"ulimit -f 8; {prep}", expect_error("out/", "ulimit")),
+    ]
+
+
+def lock_cases() -> list[Case]:
+    train = (f"$A train bin {TINY} --max-tokens 2048 --max-update 400 --save-interval-updates 5 --save-dir ckpt "
+             f"--progress none --threads 1")
+
+    def copy_bin(d: Path) -> None:
+        import shutil
+
+        shutil.copytree(os.environ["_BIN"], d / "bin")
+
+    two = (f"({train} > first.out 2> first.err; echo $? > first.rc) & sleep 12; {train}; rc=$?; wait; "
+           f"echo first=$(cat first.rc) >&2; tail -2 first.err >&2; exit $rc")
+
+    def second_refused(r: Result) -> str | None:
+        first = r.err.split("first=")[-1]
+        if "Traceback" in first:
+            return "the first run died with a traceback"
+        if not first.startswith("0"):
+            return f"the first run ended with exit {first[:3]}"
+        return None
+
+    prep = ("$A preprocess -q -s en -t de --trainpref $RAW/train --validpref $RAW/valid --destdir out "
+            "--bpe sentencepiece --vocab-size 600 --joined-dictionary --workers 1")
+    return [
+        Case("locks", "a second train into the same --save-dir", two,
+             both(lambda r: None if r.rc == 1 and "in use" in r.err else f"second run: exit {r.rc}, not refused",
+                  second_refused), setup=copy_bin, timeout=400),
+        Case("locks", "two preprocess into the same --destdir at once",
+             f"({prep}) 2> a.err & ({prep}) 2> b.err; wait; cat a.err b.err >&2; ls out/dict.en.txt",
+             lambda r: "traceback" if r.traceback else (None if "in use" in r.err or r.rc == 0 else "no lock")),
+    ]
+
+
+def _hostile_checkpoint(edit):
+    def setup(d: Path) -> None:
+        import torch
+
+        ck = torch.load(os.environ["_MODEL"], weights_only=True)
+        edit(ck)
+        torch.save(ck, d / "bad.pt")
+    return setup
+
+
+def hostile_cases() -> list[Case]:
+    def huge(ck):
+        ck["model_config"]["encoder_ffn_embed_dim"] = 2**40
+
+    def no_specials(ck):
+        ck["data"]["src_dict"].pop("specials", None)
+
+    def bad_symbols(ck):
+        ck["data"]["src_dict"]["symbols"] = 42
+
+    tr = "echo 'A man.' | $A translate --path bad.pt"
+    return [
+        Case("hostile checkpoints", "huge dimensions in the stored config", tr, expect_error("bad.pt"),
+             setup=_hostile_checkpoint(huge)),
+        Case("hostile checkpoints", "a dictionary without a field", tr, expect_error("bad.pt"),
+             setup=_hostile_checkpoint(no_specials)),
+        Case("hostile checkpoints", "a dictionary of the wrong type", tr, expect_error("bad.pt"),
+             setup=_hostile_checkpoint(bad_symbols)),
+    ]
+
+
+def option_cases() -> list[Case]:
+    train = f"$A train $BIN {TINY} --max-tokens 2048 --max-update 1 --save-dir ckpt --progress none"
+    gen = "$A generate $BIN --path $MODEL --gen-subset test --quiet"
+    cases = []
+    for opt in ("--lr nan", "--adam-eps nan", "--weight-decay nan", "--seed -1", f"--seed {2**70}",
+                "--eval-bleu --eval-bleu-beam 0", "--eval-bleu --eval-bleu-lenpen nan", "--clip-norm nan",
+                "--warmup-init-lr nan", "--max-time-minutes nan", "--save-interval-minutes nan",
+                "--required-batch-size-multiple -8", "--lr inf", "--dropout nan", "--label-smoothing 1.5"):
+        cases.append(Case("options", f"train {opt}", f"{train} {opt}", expect_error(opt.split()[-2])))
+    for opt in ("--threads 1e20", f"--threads {10**20}", "--max-len-a nan", "--max-len-a inf", "--unkpen nan",
+                "--sampling --temperature nan", "--sampling --temperature inf", "--lenpen nan",
+                "--min-len 100000", "--search beam --sampling", "--beam 20000", "--beam 0"):
+        cases.append(Case("options", f"generate {opt}", f"{gen} {opt}", expect_error(opt.split()[-2])))
+    return cases
+
+
+def _no_process_left(r: Result) -> str | None:
+    time.sleep(2)
+    out = subprocess.run(["pgrep", "-f", f"attnmt-fault-marker-{r.cwd.name}"], capture_output=True, text=True).stdout
+    pids = out.split()
+    for pid in pids:
+        os.kill(int(pid), signal.SIGKILL)
+    return f"{len(pids)} process(es) left running" if pids else None
+
+
+def worker_cases() -> list[Case]:
+    out = []
+    for delay in (0.5, 2, 4):
+        out.append(Case("workers", f"SIGKILL to translate --workers 2 {delay} s after its start",
+                        f"(yes 'A man is riding a bike.' | head -2000 | exec -a attnmt-fault-marker-$(basename $PWD) "
+                        f"$PY -m attnmt.cli translate --path $MODEL --workers 2 --threads 2 > /dev/null) & "
+                        f"sleep {delay}; pkill -KILL -f '^attnmt-fault-marker'; wait; exit 0",
+                        lambda r: _no_process_left(r)))
+    return out
+
+
+def output_cases() -> list[Case]:
+    gen = "$A generate $BIN --path $MODEL --gen-subset test --quiet"
+
+    def fifo(d: Path) -> None:
+        os.mkfifo(d / "pipe")
+
+    def link(d: Path) -> None:
+        (d / "real.txt").write_text("old\n")
+        (d / "link.txt").symlink_to("real.txt")
+
+    return [
+        Case("outputs", "--output into a FIFO", f"cat pipe > got.txt & {gen} --output pipe; wait; wc -l < got.txt",
+             expect_ok(lambda r: None if r.out.strip() == "100" else f"the reader got {r.out.strip()} lines"),
+             setup=fifo, timeout=60),
+        Case("outputs", "--output to a symlink", f"{gen} --output link.txt; test -L link.txt; wc -l < real.txt",
+             expect_ok(lambda r: None if r.out.strip() == "100" else "the link was replaced"), setup=link),
+        Case("outputs", "--output /dev/stdout", f"{gen} --output /dev/stdout | wc -l",
+             expect_ok(lambda r: None if r.out.strip() == "100" else f"{r.out.strip()} lines")),
+        Case("outputs", "translate with stdout closed", "echo 'A man.' | $A translate --path $MODEL >&-",
+             expect_error("stdout")),
+        Case("outputs", "translate with stdin closed", "$A translate --path $MODEL <&-", expect_error("stdin")),
+        Case("outputs", "score with stdin closed", "$A score --ref $RAW/test.de <&-", expect_error("stdin")),
+        Case("outputs", "translate with PYTHONIOENCODING=ascii",
+             "head -20 $RAW/test.en | $A translate --path $MODEL", expect_ok(lambda r: None if r.out.count("\n") == 20
+                                                                            else "lines lost"),
+             env={"PYTHONIOENCODING": "ascii"}),
+        Case("outputs", "score with PYTHONIOENCODING=ascii", "$A score --ref $RAW/test.de < $RAW/test.de",
+             expect_ok(), env={"PYTHONIOENCODING": "ascii"}),
+        Case("outputs", "interactive --input FILE with bad UTF-8", "$A interactive --path $MODEL --input bad.txt",
+             expect_error("bad.txt"), setup=_write("bad.txt", b"A man \xff\xfe.\n")),
+    ]
+
+
+def plugin_cases() -> list[Case]:
+    return [
+        Case("plugins", "a plugin named like a dependency", "$A --user-dir sacrebleu.py list",
+             expect_error("sacrebleu"), setup=_write("sacrebleu.py", "x = 1\n")),
+        Case("plugins", "a plugin raising BaseException", "$A --user-dir evil.py list", expect_error("evil"),
+             setup=_write("evil.py", "raise BaseException('boom')\n")),
+    ]
+
+
+def _foreign_ids(d: Path) -> None:
+    """The data-bin with its test split's ids written against a dictionary twice as large."""
+    import shutil
+
+    import numpy as np
+
+    shutil.copytree(os.environ["_BIN"], d / "bin")
+    for side in ("en", "de"):
+        path = d / "bin" / f"test.en-de.{side}.bin"
+        ids = np.fromfile(path, dtype=np.uint16)
+        ids[5] = 65000
+        ids.tofile(path)
+
+
+def data_cases() -> list[Case]:
+    return [
+        Case("data", "generate on ids beyond the dictionary",
+             "$A generate bin --path $MODEL --gen-subset test --quiet", expect_error("test.en-de"),
+             setup=_foreign_ids),
+        Case("data", "train on ids beyond the dictionary",
+             f"cp bin/test.en-de.en.bin bin/train.en-de.en.bin; cp bin/test.en-de.en.idx bin/train.en-de.en.idx; "
+             f"cp bin/test.en-de.de.bin bin/train.en-de.de.bin; cp bin/test.en-de.de.idx bin/train.en-de.de.idx; "
+             f"$A train bin {TINY} --max-tokens 2048 --max-update 2 --save-dir ckpt --progress none",
+             expect_error("train.en-de"), setup=_foreign_ids),
+    ]
+
+
+KINDS = {"kernels": kernel_cases, "checkpoints": checkpoint_cases, "temp files": temp_cases, "locks": lock_cases,
+         "hostile checkpoints": hostile_cases, "options": option_cases, "workers": worker_cases,
+         "outputs": output_cases, "plugins": plugin_cases, "data": data_cases}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", default="../shared/data/multi30k", help="the Multi30k .gz files")
+    ap.add_argument("--python", default=sys.executable, help="the Python whose attnmt runs the cases")
+    ap.add_argument("--only", default="", help="comma-separated kinds to run (default: all)")
+    ap.add_argument("--work", default="", help="keep the fixture and the cases' directories here")
+    args = ap.parse_args()
+    work = Path(args.work or tempfile.mkdtemp(prefix="attnmt-faults-")).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    attnmt = f"{shlex.quote(args.python)} -m attnmt.cli"
+    paths = build_fixture(work, Path(args.data).resolve(), attnmt)
+    os.environ.update({"_A": attnmt, "_MODEL": paths["MODEL"], "_BIN": paths["BIN"], "_RAW": paths["RAW"]})
+    wanted = [k for k in args.only.split(",") if k] or list(KINDS)
+    print("| kind | case | command | exit | verdict |\n|---|---|---|---|---|")
+    clean = total = 0
+    for kind in wanted:
+        for i, case in enumerate(KINDS[kind]()):
+            d = work / "cases" / f"{kind.replace(' ', '_')}-{i}"
+            if d.exists():
+                subprocess.run(["rm", "-rf", str(d)])
+            d.mkdir(parents=True)
+            env = {"PY": args.python, "A": attnmt, **paths, **(case.env or {})}
+            if "ATTNMT_CACHE_DIR" in env:
+                env["ATTNMT_CACHE_DIR"] = str(d / env["ATTNMT_CACHE_DIR"])
+            try:
+                if case.setup:
+                    case.setup(d)
+                r = run(case.command, d, env=env, timeout=case.timeout)
+                verdict = case.check(r)
+            except subprocess.TimeoutExpired:
+                r, verdict = Result(-1, "", "", d), f"still running after {case.timeout:.0f} s"
+            total += 1
+            clean += verdict is None
+            shown = textwrap.shorten(case.command.replace("$A", "attnmt"), 110, placeholder=" ...")
+            print(f"| {kind} | {case.name} | `{shown}` | {r.rc} | {'clean' if verdict is None else verdict} |",
+                  flush=True)
+            if verdict and os.environ.get("FAULT_CASES_VERBOSE"):
+                print(textwrap.indent(r.err[-1500:], "    "), file=sys.stderr)
+    print(f"\n{clean} of {total} clean")
+
+
+if __name__ == "__main__":
+    main()
