@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from attnmt.errors import UserError
-from attnmt.fileio import atomic_open, atomic_torch_save
+from attnmt.fileio import atomic_open, atomic_torch_save, pid_alive
 
 FORMAT = "attnmt-checkpoint"
 VERSION = 1
@@ -108,7 +108,10 @@ class DataSection:
         """(source, target) Dictionary, checked against their stored checksums."""
         from attnmt.data.dictionary import Dictionary
 
-        dicts = Dictionary.from_state(self.src_dict), Dictionary.from_state(self.tgt_dict)
+        try:
+            dicts = Dictionary.from_state(self.src_dict), Dictionary.from_state(self.tgt_dict)
+        except UserError as e:
+            raise UserError(f"{path}: {e}") from None
         for side, d, want in (("src", dicts[0], self.src_dict_sha256), ("tgt", dicts[1], self.tgt_dict_sha256)):
             if want and d.checksum() != want:
                 raise UserError(f"{path}: the stored {side} dictionary does not match its checksum; the file is "
@@ -228,9 +231,13 @@ def load(path: str | os.PathLike, mmap: bool = False) -> dict:
 
 
 def remove_partial_files(save_dir: str | os.PathLike) -> list[Path]:
-    """Delete the temp files of checkpoint writes that were killed (``.checkpoint*.pt.XXXX.tmp``)."""
+    """Delete the temp files of checkpoint writes that were killed (``.checkpoint*.pt.PID.XXXX.tmp`` whose
+    writer no longer runs, and those of older versions, whose names hold no pid)."""
     removed = []
     for p in Path(save_dir).glob(".checkpoint*.pt.*.tmp"):
+        pid = p.name.split(".pt.", 1)[1].split(".", 1)[0]
+        if pid.isdigit() and pid_alive(int(pid)):
+            continue
         with contextlib.suppress(FileNotFoundError):
             p.unlink()
             removed.append(p)
@@ -249,10 +256,14 @@ def _copy(src: Path, dst: Path) -> None:
 
 
 def save_as(state: dict, save_dir: str | os.PathLike, names: list[str]) -> list[Path]:
-    """Write ``state`` under ``names[0]`` in ``save_dir`` and copy it to the other names; returns the paths."""
+    """Write ``state`` under ``names[0]`` in ``save_dir`` and copy it to the other names; returns the paths.
+
+    ``checkpoint_last.pt``, where it is among the names, is written first: a run killed during a save leaves
+    no other name of that save without it, so the next run resumes from the newest state.
+    """
     save_dir = Path(save_dir)
     save_dir.mkdir(parents=True, exist_ok=True)
-    paths = [save_dir / n for n in dict.fromkeys(names)]
+    paths = [save_dir / n for n in sorted(dict.fromkeys(names), key=lambda n: n != LAST)]
     save(state, paths[0])
     for p in paths[1:]:
         _copy(paths[0], p)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import math
 import types
 import typing
 from typing import Any, Literal, get_args, get_origin, get_type_hints
@@ -92,6 +93,34 @@ def coerce(value: Any, tp, name: str) -> Any:
     return value
 
 
+def check_bounds(value: Any, f: dataclasses.Field, name: str) -> Any:
+    """``value`` checked against its field's bounds; a UserError naming the option and its range otherwise.
+
+    Every number must be finite (nan would switch a limit off or make every comparison false, inf make every
+    length or product unbounded). A field's metadata may bound it further: ``"min"`` and ``"max"`` (inclusive),
+    ``"above"`` (exclusive lower bound). The bounds hold for options typed by a user and for configs read from a
+    checkpoint alike (a hostile file's sizes are refused before anything is built from them).
+    """
+    opt = option_name(name)
+    for v in value if isinstance(value, tuple) else (value,):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        if isinstance(v, float) and not math.isfinite(v):
+            raise UserError(f"{opt} {v}: give a finite number{_range(f.metadata)}")
+        lo, hi, above = f.metadata.get("min"), f.metadata.get("max"), f.metadata.get("above")
+        if (lo is not None and v < lo) or (hi is not None and v > hi) or (above is not None and v <= above):
+            raise UserError(f"{opt} {v}: out of range; give a number{_range(f.metadata)}")
+    return value
+
+
+def _range(metadata) -> str:
+    lo, hi, above = metadata.get("min"), metadata.get("max"), metadata.get("above")
+    parts = [f">= {lo}" if lo is not None else "", f"> {above}" if above is not None else "",
+             f"<= {hi}" if hi is not None else ""]
+    parts = [p for p in parts if p]
+    return f" {' and '.join(parts)}" if parts else ""
+
+
 def fields_of(cls) -> dict[str, tuple[dataclasses.Field, Any]]:
     hints = get_type_hints(cls)
     return {f.name: (f, hints[f.name]) for f in dataclasses.fields(cls)}
@@ -108,7 +137,7 @@ def make_config(cls, given: dict[str, Any] | None = None, what: str | None = Non
             f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(option_name(k) for k in unknown)}{where}; "
             f"valid: {', '.join(option_name(k) for k in fs)}"
         )
-    kwargs = {k: coerce(v, fs[k][1], k) for k, v in given.items()}
+    kwargs = {k: check_bounds(coerce(v, fs[k][1], k), fs[k][0], k) for k, v in given.items()}
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as e:

@@ -1,7 +1,10 @@
 """Writing outputs: every file attnmt writes goes through here.
 
 * Atomic writes: a file is either the old one or the complete new one, never half-written (temp file beside it,
-  fsync, rename); a failed write removes its temp file.
+  fsync, rename); a failed write removes its temp file, and a killed writer's is removed by the next run
+  (:func:`remove_stale_temps`). A target that is not a regular file (``/dev/null``, a FIFO) is written in place,
+  never replaced; a symbolic link stays, and its target is replaced.
+* Locks (:func:`exclusive`): one writer at a time for a training run's ``--save-dir`` and a ``--destdir``.
 * Write errors (a full disk, a read-only file system, a directory where a file should be, ...) become one-line
   ``UserError``s that name the path, and outputs can be checked before any work starts
   (:func:`check_output_dir`, :func:`check_output_file`), so that a long run does not fail at its end.
@@ -73,11 +76,102 @@ def check_output_file(path: str | os.PathLike, option: str) -> Path:
     path = Path(path)
     if path.is_dir():
         raise UserError(f"{path}: {option} is a directory; give a file name, e.g. {path / 'out.txt'}")
+    if path.exists() and not path.is_file():  # /dev/null, a FIFO: written in place
+        if not os.access(path, os.W_OK):
+            raise UserError(f"{path}: cannot write {option} (permission denied); choose another path")
+        return path
+    path = Path(os.path.realpath(path)) if path.is_symlink() else path
     blocker = _blocking_file(path.parent)
     if blocker is not None:
         raise UserError(f"{path}: {option} is under {blocker}, which is a file; choose another path")
     _probe(path.parent, path, option)
+    remove_stale_temps(path.parent, path.name)
     return path
+
+
+# ------------------------------------------------------------------------------------------------ temp files
+
+
+def temp_prefix(name: str) -> str:
+    """The prefix of this process's temp files and directories for the output ``name``: ``.NAME.PID.``; the pid
+    tells a later run whether the writer is still alive (:func:`remove_stale_temps`)."""
+    return f".{name}.{os.getpid()}."
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this machine."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
+
+
+def remove_stale_temps(directory: str | os.PathLike, name: str) -> list[Path]:
+    """Delete the temp files and directories that killed attnmt processes left for the output ``name`` in
+    ``directory`` (``.NAME.PID.*``, see :func:`temp_prefix`, whose PID no longer runs); those of live writers
+    are left alone. Returns what was removed."""
+    removed = []
+    prefix = f".{name}."
+    with contextlib.suppress(OSError):
+        for p in Path(directory).iterdir():
+            if not p.name.startswith(prefix):
+                continue
+            pid = p.name[len(prefix):].split(".", 1)[0]
+            if not pid.isdigit() or pid_alive(int(pid)):
+                continue
+            with contextlib.suppress(OSError):
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p)
+                else:
+                    p.unlink()
+                removed.append(p)
+    return removed
+
+
+# ------------------------------------------------------------------------------------------------ locks
+
+
+@contextlib.contextmanager
+def exclusive(lock_file: str | os.PathLike, what: str, fix: str) -> Iterator[None]:
+    """Hold an exclusive lock on ``lock_file`` (``flock``; created if needed) for the block: one attnmt process
+    at a time writes ``what``. A second one fails at once with a UserError naming the holder (its pid, command
+    and start time, recorded in the file) and ``fix``. The kernel drops the lock when its holder dies, however
+    it dies: a stale lock file never blocks anyone."""
+    import fcntl
+    import json
+    import sys
+    import time
+
+    lock_file = Path(lock_file)
+    try:
+        fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise (write_error(lock_file, e) if e.errno in WRITE_ERRNOS else e) from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                holder = json.loads(os.pread(fd, 4096, 0).decode("utf-8"))
+                who = (f"attnmt {holder.get('command', '?')} (pid {holder.get('pid', '?')} on "
+                       f"{holder.get('host', '?')}, since {holder.get('started', '?')})")
+            except (ValueError, OSError, AttributeError):
+                who = "another attnmt process"
+            raise UserError(f"{what} is in use by {who}; {fix}") from None
+        record = {"pid": os.getpid(), "host": os.uname().nodename, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                  "command": " ".join(sys.argv[1:3]) or "?"}
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(record) + "\n").encode("utf-8"), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------------------------------------ atomic writes
 
 
 @contextlib.contextmanager
@@ -87,9 +181,15 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", encoding: str | None =
     A write error of the target (full disk, read-only file system, ...) becomes a UserError naming ``path``.
     """
     path = Path(path)
+    if path.exists() and not path.is_file():  # a device, FIFO or socket: written in place (never replaced)
+        with _open_special(path, mode, encoding) as f:
+            yield f
+        return
+    if path.is_symlink():  # the link stays; its target is replaced atomically
+        path = Path(os.path.realpath(path))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path.name), suffix=".tmp", dir=path.parent)
     except OSError as e:
         raise (write_error(path, e) if e.errno in WRITE_ERRNOS else e) from None
     os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give the result the permissions open() would
@@ -104,6 +204,23 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", encoding: str | None =
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         if isinstance(e, OSError) and e.errno in WRITE_ERRNOS:
+            raise write_error(path, e) from None
+        raise
+
+
+@contextlib.contextmanager
+def _open_special(path: Path, mode: str, encoding: str | None) -> Iterator[IO]:
+    """``path`` (not a regular file: ``/dev/null``, ``/dev/stdout``, a FIFO) opened for writing as it is."""
+    binary = "b" in mode
+    try:
+        f = open(path, mode.replace("x", "w"), encoding=None if binary else encoding)  # noqa: SIM115
+    except OSError as e:
+        raise (write_error(path, e) if e.errno in WRITE_ERRNOS else e) from None
+    try:
+        with f:
+            yield f
+    except OSError as e:
+        if e.errno in WRITE_ERRNOS:
             raise write_error(path, e) from None
         raise
 

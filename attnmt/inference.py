@@ -95,9 +95,29 @@ def model_from_checkpoint(ckpt: dict, src_dict, tgt_dict, path: Path) -> Encoder
     if not name or "model" not in ckpt or "model_config" not in ckpt:
         raise UserError(f"{path}: the checkpoint lacks model_name/model_config/model; use a file written by "
                         f"attnmt train or attnmt average-checkpoints")
-    cfg = config_from_dict(registry.get("model", name).config, ckpt["model_config"])
-    model = build_model(name, cfg, len(src_dict), len(tgt_dict), src_dict.pad(),
-                        joint_vocab=bool(ckpt["data"].get("joint_dictionary", False)))
+    if not isinstance(ckpt["model_config"], dict):
+        raise UserError(f"{path}: the checkpoint's model_config is not a table of options; the file is damaged")
+    try:
+        cfg = config_from_dict(registry.get("model", name).config, ckpt["model_config"])
+    except UserError as e:
+        raise UserError(f"{path}: the stored model config is invalid ({e}); the file is damaged or not from "
+                        f"attnmt") from None
+    joint = bool(ckpt["data"].get("joint_dictionary", False))
+    with torch.device("meta"):  # the shapes first, allocating nothing: a hostile config cannot exhaust memory
+        shapes = {k: tuple(v.shape) for k, v in build_model(name, cfg, len(src_dict), len(tgt_dict), src_dict.pad(),
+                                                             joint_vocab=joint).state_dict().items()}
+    weights = ckpt["model"]
+    wrong = [k for k, shape in shapes.items()
+             if not torch.is_tensor(weights.get(k)) or tuple(weights[k].shape) != shape] + [
+        k for k in weights if k not in shapes]
+    if wrong:
+        k = wrong[0]
+        have = tuple(weights[k].shape) if torch.is_tensor(weights.get(k)) else "missing" if k not in weights else \
+            type(weights[k]).__name__
+        raise UserError(f"{path}: the weights do not fit the model its config describes ({len(wrong)} entries, e.g. "
+                        f"{k}: stored {have}, config {shapes.get(k, 'none')}); the file is inconsistent, re-save it "
+                        f"with attnmt train")
+    model = build_model(name, cfg, len(src_dict), len(tgt_dict), src_dict.pad(), joint_vocab=joint)
     try:
         model.load_state_dict(ckpt["model"], strict=True)
     except RuntimeError as e:
@@ -190,6 +210,10 @@ def load_generator(path: str | os.PathLike, search_cfg, gen_cfg):
     backend = backend_for(device, precision)
     bundle = load_for_inference(path, device)
     bundle.model = backend.prepare_inference(bundle.model, gen_cfg.quantize)
+    longest = bundle.model.max_positions()[1] - 1  # target positions, the end of sentence included
+    if search_cfg.min_len > longest:
+        raise UserError(f"--min-len {search_cfg.min_len} is above the longest translation the model can write "
+                        f"({longest} tokens); lower --min-len")
     generator = Generator(bundle.model, bundle.symbols, search_cfg, device, precision=precision,
                           max_source_positions=bundle.max_source_positions(),
                           truncate_source=gen_cfg.truncate_source)

@@ -30,9 +30,9 @@ from attnmt.registry import get, register
 class AdamConfig:
     adam_betas: tuple[float, float] = field(
         default=(0.9, 0.98), metadata={"help": "Adam (beta1, beta2), paper 5.3: '(0.9, 0.98)'"})
-    adam_eps: float = field(default=1e-9, metadata={"help": "Adam epsilon (paper 5.3: 1e-9)"})
+    adam_eps: float = field(default=1e-9, metadata={"above": 0, "help": "Adam epsilon (paper 5.3: 1e-9)"})
     weight_decay: float = field(
-        default=0.0, metadata={"help": "decoupled weight decay (AdamW-style, as fairseq's adam)"})
+        default=0.0, metadata={"min": 0, "help": "decoupled weight decay (AdamW-style, as fairseq's adam)"})
     adam_impl: Literal["auto", "fused", "foreach", "for-loop"] = field(
         default="auto", metadata={"help": "update kernel: auto (fused when supported, else foreach), fused, foreach, "
                                           "for-loop"})
@@ -79,11 +79,11 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 @dataclass
 class InverseSqrtConfig:
-    lr: float = field(default=7e-4, metadata={
+    lr: float = field(default=7e-4, metadata={"above": 0,
         "help": "peak learning rate reached after warm-up; the paper's base schedule peaks at 512^-0.5 * 4000^-0.5 "
                 "= 7.0e-4"})
-    warmup_updates: int = field(default=4000, metadata={"help": "linear warm-up updates (paper: 4000)"})
-    warmup_init_lr: float = field(default=-1.0, metadata={
+    warmup_updates: int = field(default=4000, metadata={"min": 0, "help": "linear warm-up updates (paper: 4000)"})
+    warmup_init_lr: float = field(default=-1.0, metadata={"min": -1,
         "help": "learning rate at update 0 of the warm-up; -1 means 0 with warm-up, --lr without"})
 
     def __post_init__(self):
@@ -140,7 +140,7 @@ class InverseSqrtSchedule(_Schedule):
 
 @dataclass
 class FixedConfig:
-    lr: float = field(default=7e-4, metadata={"help": "learning rate"})
+    lr: float = field(default=7e-4, metadata={"above": 0, "help": "learning rate"})
 
     def __post_init__(self):
         if self.lr <= 0:

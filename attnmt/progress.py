@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -50,12 +51,41 @@ def hms(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
-def _record_update(line: str) -> int:
+def _whole_record(line: bytes) -> bool:
+    """A complete train.jsonl line: terminated, UTF-8, one JSON object (a killed run can leave a partial last
+    line, a damaged file anything)."""
+    try:
+        return line.endswith(b"\n") and isinstance(json.loads(line.decode("utf-8")), dict)
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError
+        return False
+
+
+def _record_update(line: str | bytes) -> int:
     """The update a train.jsonl record belongs to (0 for records without one, or lines that do not parse)."""
     try:
         return int(json.loads(line).get("num_updates") or 0)
     except (ValueError, AttributeError, TypeError):
         return 0
+
+
+def _cut_partial_line(path) -> None:
+    """Cut an unterminated last line (a run killed while writing it) off ``path``, so that the next record
+    starts a line of its own."""
+    try:
+        with open(path, "rb+") as f:
+            size = f.seek(0, os.SEEK_END)
+            if not size:
+                return
+            f.seek(size - 1)
+            if f.read(1) == b"\n":
+                return
+            start = max(0, size - (1 << 20))
+            f.seek(start)
+            tail = f.read()
+            end = tail.rfind(b"\n")
+            f.truncate(start + end + 1 if end >= 0 else start)
+    except FileNotFoundError:
+        return
 
 
 def timestamp() -> str:
@@ -109,6 +139,7 @@ class RunLog:
         if self.jsonl_path is None:
             return
         if self.jsonl is None:
+            _cut_partial_line(self.jsonl_path)
             self.jsonl = open(self.jsonl_path, "a", encoding="utf-8")  # noqa: SIM115
         self.jsonl.write(json.dumps(obj, sort_keys=False) + "\n")
         self.jsonl.flush()
@@ -119,8 +150,8 @@ class RunLog:
             return 0
         from attnmt.fileio import atomic_open
 
-        lines = Path(self.jsonl_path).read_text(encoding="utf-8").splitlines(keepends=True)
-        keep = [ln for ln in lines if _record_update(ln) <= num_updates]
+        lines = Path(self.jsonl_path).read_bytes().splitlines(keepends=True)
+        keep = [ln.decode("utf-8") for ln in lines if _whole_record(ln) and _record_update(ln) <= num_updates]
         if len(keep) < len(lines):
             with atomic_open(self.jsonl_path, "w") as f:
                 f.writelines(keep)

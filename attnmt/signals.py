@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import signal
 import threading
 
@@ -50,10 +51,18 @@ def install() -> None:
             signal.signal(getattr(signal, name), _raise)
 
 
-def die_with_parent() -> bool:
-    """In a child process: the kernel sends it SIGKILL when its parent dies (Linux); False where unsupported."""
+def die_with_parent(parent: int | None = None) -> bool:
+    """In a child process: the kernel sends it SIGKILL when its parent dies (Linux); False where unsupported.
+
+    ``parent``: the pid of the process that started this one. A parent that died before this call (while a
+    spawned child was still importing its modules) is not signalled about any more: the child then exits at
+    once instead of living on as an orphan.
+    """
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        return libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+        armed = libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
     except (OSError, AttributeError):
-        return False
+        armed = False
+    if parent is not None and os.getppid() != parent:
+        os._exit(1)  # the parent is gone already: nothing to work for
+    return armed

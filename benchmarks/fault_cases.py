@@ -65,6 +65,9 @@ def expect_error(*words: str) -> Callable[[Result], str | None]:
     def check(r: Result) -> str | None:
         if r.traceback:
             return "traceback"
+        if r.rc == 2 and "Error:" in r.err:  # click's usage error names the option too
+            last = r.err.strip().splitlines()[-1]
+            return None if all(w.lower() in last.lower() for w in words) else "usage error without the option"
         if not r.user_error:
             return f"exit {r.rc}, no one-line error"
         last = r.err.strip().splitlines()[-1]
@@ -128,11 +131,20 @@ def build_fixture(work: Path, data: Path, attnmt: str) -> dict[str, str]:
 
 
 def run(command: str, cwd: Path, env: dict | None = None, check: bool = False, timeout: float = 180) -> Result:
-    p = subprocess.run(["bash", "-c", command], cwd=cwd, env={**os.environ, **(env or {})}, capture_output=True,
-                       text=True, errors="replace", timeout=timeout)
-    r = Result(p.returncode, p.stdout, p.stderr, cwd)
+    """``command`` in bash, in its own process group, under a 12 GiB address-space limit (a case that would
+    exhaust the machine's memory fails instead); past ``timeout`` the whole group is killed."""
+    limited = f"ulimit -v {12 << 20}; {command}"
+    p = subprocess.Popen(["bash", "-c", limited], cwd=cwd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        raise
+    r = Result(p.returncode, out, err, cwd)
     if check and p.returncode:
-        raise SystemExit(f"fixture step failed: {command}\n{p.stderr[-2000:]}")
+        raise SystemExit(f"fixture step failed: {command}\n{err[-2000:]}")
     return r
 
 
@@ -206,7 +218,7 @@ def _kill_first_save(d: Path) -> None:
 
     shutil.copytree(os.environ["_BIN"], d / "bin")
     run(f"{os.environ['_A']} train bin {TINY} --max-tokens 2048 --max-update 4 --save-interval-updates 2 "
-        f"--save-dir ckpt --progress none --threads 2 --no-background-save", d, check=True)
+        f"--save-dir ckpt --progress none --threads 2 --no-background-save --log-interval 1", d, check=True)
     (d / "ckpt" / "checkpoint_last.pt").unlink()
     for p in (d / "ckpt").glob("checkpoint*.pt"):
         if p.name != "checkpoint_1_2.pt":
@@ -214,18 +226,14 @@ def _kill_first_save(d: Path) -> None:
 
 
 def _log_consistent(r: Result) -> str | None:
-    updates = []
-    for line in (r.cwd / "ckpt" / "train.jsonl").read_text(encoding="utf-8").splitlines():
-        rec = json.loads(line)
-        if rec.get("kind", rec.get("split")) == "train" or "update" in rec:
-            updates.append(rec.get("update", rec.get("num_updates")))
-    updates = [u for u in updates if u is not None]
-    return None if updates == sorted(updates) and len(set(updates)) == len(updates) else "train.jsonl repeats updates"
+    updates = [rec["num_updates"] for rec in map(json.loads, (r.cwd / "ckpt" / "train.jsonl").read_text(
+        encoding="utf-8").splitlines()) if rec.get("type") == "train"]
+    return None if updates == sorted(set(updates)) else f"train.jsonl repeats updates: {updates}"
 
 
 def checkpoint_cases() -> list[Case]:
     train = (f"$A train bin {TINY} --max-tokens 2048 --max-update 6 --save-interval-updates 2 --save-dir ckpt "
-             f"--progress none --threads 2")
+             f"--progress none --threads 2 --log-interval 1")
 
     def copy_bin_and(*more):
         def setup(d: Path) -> None:
@@ -250,30 +258,44 @@ def checkpoint_cases() -> list[Case]:
         Case("checkpoints", "kill during the first save, then resume", train, both(expect_ok(), _log_consistent),
              setup=_kill_first_save),
         Case("checkpoints", "resume after an unterminated train.jsonl line, then plot",
-             f"{train} && $A plot curves ckpt/train.jsonl --output curves.png", expect_ok(),
+             f"{train} && $A plot curves ckpt/train.jsonl --out curves.png", expect_ok(),
              setup=copy_bin_and(unterminated)),
         Case("checkpoints", "resume with a non-UTF-8 byte in train.jsonl", train, expect_ok(),
              setup=copy_bin_and(bad_utf8)),
     ]
 
 
+def _dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
 def _stale(name: str):
-    return _write(name, "half")
+    """A temp file (or, for a name ending in /, a temp directory) left by a killed attnmt process."""
+    def setup(d: Path) -> None:
+        p = d / name.replace("PID", str(_dead_pid()))
+        if name.endswith("/"):
+            p.mkdir(parents=True)
+            (p / "train.en-de.en.bin").write_text("half")
+        else:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text("half")
+    return setup
 
 
 def temp_cases() -> list[Case]:
     prep = ("$A preprocess -q -s en -t de --trainpref $RAW/train --validpref $RAW/valid --destdir out "
             "--bpe sentencepiece --vocab-size 600 --joined-dictionary")
     return [
-        Case("temp files", "stale temp files of a killed preprocess", prep, both(expect_ok(), no_files("*.tmp")),
-             setup=_write("out/.train.en-de.en.bin.999999.x.tmp", "half")),
+        Case("temp files", "stale temp files of a killed preprocess", prep, both(expect_ok(), no_files(".out.*.x1")),
+             setup=_stale(".out.PID.x1/")),
         Case("temp files", "stale temp file of a killed generate --output",
              "$A generate $BIN --path $MODEL --gen-subset test --output out.txt --quiet",
-             both(expect_ok(), no_files("*.tmp")), setup=_write(".out.txt.999999.x.tmp", "half")),
+             both(expect_ok(), no_files("*.tmp")), setup=_stale(".out.txt.PID.x1.tmp")),
         Case("temp files", "stale temp file of a killed average-checkpoints",
-             "$A average-checkpoints --inputs ckpt/checkpoint_last.pt ckpt/checkpoint_last.pt --output avg.pt",
-             both(expect_ok(), no_files("*.tmp")),
-             setup=lambda d: (_copy_ckpt(d), _write(".avg.pt.999999.x.tmp", "half")(d))),
+             "$A average-checkpoints --inputs ckpt/checkpoint1.pt ckpt/checkpoint_last.pt --output avg.pt",
+             both(expect_ok(), no_files("*.tmp")), setup=lambda d: (_copy_ckpt(d), _stale(".avg.pt.PID.x1.tmp")(d))),
         Case("temp files", "export into a full disk (ulimit -f), then export again",
              "(ulimit -f 64; $A export --path $MODEL --to ctranslate2 --output-dir ct2); "
              "$A export --path $MODEL --to ctranslate2 --output-dir ct2", expect_ok()),

@@ -29,6 +29,9 @@ def search_option_classes() -> list[type]:
 
 def search_config(given: dict) -> SearchConfig:
     """The typed search config, with the chosen strategy's own options; an option of another strategy is an error."""
+    if given.get("sampling") and given.get("search", "sampling") != "sampling":
+        raise UserError(f"--sampling and --search {given['search']} disagree (--sampling means --search sampling); "
+                        f"give one of them")
     name = "sampling" if given.get("sampling") else given.get("search", "beam")
     strategy = registry.get("search", name)
     per, leftovers = split_given(given, {"search": SearchConfig, "options": strategy.config})

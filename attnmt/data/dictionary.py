@@ -204,9 +204,19 @@ class Dictionary:
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Dictionary:
-        bos, pad, eos, unk = state["specials"]
+        """The dictionary :meth:`to_state` stored; anything else (a missing field, a wrong type) is a UserError."""
+        fields = ("specials", "symbols", "counts")
+        if not isinstance(state, dict) or not all(isinstance(state.get(k), (list, tuple)) for k in fields):
+            missing = [k for k in fields if not isinstance(state, dict) or not isinstance(state.get(k), (list, tuple))]
+            raise UserError(f"dictionary state is malformed (no list of {', '.join(missing)}); the checkpoint was "
+                            f"not written by attnmt or is damaged")
+        specials, symbols, counts = state["specials"], state["symbols"], state["counts"]
+        if (len(specials) != 4 or not all(isinstance(x, str) for x in (*specials, *symbols))
+                or not all(isinstance(c, int) and not isinstance(c, bool) for c in counts)):
+            raise UserError("dictionary state is malformed (symbols that are not strings or counts that are not "
+                            "integers); the checkpoint was not written by attnmt or is damaged")
+        bos, pad, eos, unk = specials
         d = cls(bos=bos, pad=pad, eos=eos, unk=unk)
-        symbols, counts = state["symbols"], state["counts"]
         if list(symbols[: d.nspecial]) != [bos, pad, eos, unk] or len(symbols) != len(counts):
             raise UserError("dictionary state is malformed (special symbols or counts do not match); "
                             "the checkpoint was not written by attnmt")

@@ -49,8 +49,8 @@ class GenerationConfig:
         "help": "int8: dynamic int8 quantization of the linear layers (CPU only); activations in fp32 (fbgemm), "
                 "or in bf16 with --precision auto/bf16 on a CPU with native bf16 (oneDNN; int8 for the wide "
                 "products, which is fastest there)."})
-    threads: int = field(default=0, metadata={"help": "CPU threads for torch (0: torch's default)."})
-    workers: int = field(default=1, metadata={
+    threads: int = field(default=0, metadata={"min": 0, "max": 4096, "help": "CPU threads for torch (0: torch's default)."})
+    workers: int = field(default=1, metadata={"min": 1, "max": 256,
         "help": "Decoding processes on the CPU, each translating whole batches with --threads/N threads; "
                 "2 on 2 cores suits small models (CTranslate2's inter_threads)."})
     truncate_source: bool = field(default=False, metadata={

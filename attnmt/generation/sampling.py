@@ -29,11 +29,11 @@ from attnmt.registry import register
 class SamplingConfig:
     """Options of sampling."""
 
-    sampling_topk: int = field(default=0, metadata={"help": "Sample from the k most probable tokens only (0: all)."})
-    sampling_topp: float = field(default=1.0, metadata={
+    sampling_topk: int = field(default=0, metadata={"min": 0, "help": "Sample from the k most probable tokens only (0: all)."})
+    sampling_topp: float = field(default=1.0, metadata={"above": 0, "max": 1,
         "help": "Sample from the smallest set of tokens whose probability reaches p (1.0: all)."})
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (scores stay model log-probs)."})
-    seed: int = field(default=1, metadata={"help": "Seed for --sampling; a sentence's samples depend on it and its index."})
+    temperature: float = field(default=1.0, metadata={"above": 0, "help": "Sampling temperature (scores stay model log-probs)."})
+    seed: int = field(default=1, metadata={"min": 0, "max": 2**32 - 1, "help": "Seed for --sampling; a sentence's samples depend on it and its index."})
 
     def __post_init__(self):
         if self.sampling_topk < 0:

@@ -57,19 +57,19 @@ class SearchConfig:
 
     search: str = field(default="beam", metadata={
         "help": "Search strategy (registered: beam, sampling, and any plugin's); see attnmt list."})
-    beam: int = field(default=4, metadata={"help": "Beam size; 1 is greedy search. With --sampling: samples drawn per sentence."})
+    beam: int = field(default=4, metadata={"min": 1, "max": 1024, "help": "Beam size; 1 is greedy search. With --sampling: samples drawn per sentence."})
     lenpen: float = field(default=0.6, metadata={
         "help": "Length penalty alpha: score = logprob / ((5 + length) / 6) ** alpha (GNMT, the paper's); 0 ranks by "
                 "logprob. --lenpen-style fairseq divides by length ** alpha instead."})
     lenpen_style: Literal["gnmt", "fairseq"] = field(default="gnmt", metadata={
         "help": "gnmt: ((5 + length) / 6) ** alpha, as in the paper (Wu et al. 2016); fairseq: length ** alpha, "
                 "what fairseq's --lenpen means."})
-    max_len_a: float = field(default=1.0, metadata={"help": "Generate at most a * source_length + b tokens (a)."})
-    max_len_b: int = field(default=50, metadata={"help": "Generate at most a * source_length + b tokens (b)."})
-    min_len: int = field(default=1, metadata={"help": "Generate at least this many tokens before the end of sentence."})
-    nbest: int = field(default=1, metadata={"help": "Output this many hypotheses per sentence (at most --beam)."})
+    max_len_a: float = field(default=1.0, metadata={"min": 0, "help": "Generate at most a * source_length + b tokens (a)."})
+    max_len_b: int = field(default=50, metadata={"min": 0, "help": "Generate at most a * source_length + b tokens (b)."})
+    min_len: int = field(default=1, metadata={"min": 0, "help": "Generate at least this many tokens before the end of sentence."})
+    nbest: int = field(default=1, metadata={"min": 1, "help": "Output this many hypotheses per sentence (at most --beam)."})
     unkpen: float = field(default=0.0, metadata={"help": "Subtract this from the log-probability of the unknown word."})
-    no_repeat_ngram_size: int = field(default=0, metadata={"help": "Never repeat an n-gram of this size (0: off)."})
+    no_repeat_ngram_size: int = field(default=0, metadata={"min": 0, "help": "Never repeat an n-gram of this size (0: off)."})
     sampling: bool = field(default=False, metadata={"help": "Sample from the model instead of searching (fairseq's "
                                                             "spelling of --search sampling)."})
     options: Any = field(default=None, metadata={"cli": False})

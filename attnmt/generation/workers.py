@@ -47,14 +47,14 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
 
 
-def _work(search_batch: Callable | None, load: Callable | None, threads: int, tasks, results) -> None:
+def _work(search_batch: Callable | None, load: Callable | None, threads: int, tasks, results, parent: int) -> None:
     """A worker's loop: batches in, hypotheses out, until the ``None`` that closes the pool.
 
     ``search_batch`` (forked workers) or ``load()`` -> a Generator whose ``search_batch`` runs (spawned workers).
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops the workers
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a forked child must not inherit the parent's SIGTERM policy
-    die_with_parent()  # a parent killed by SIGKILL leaves no worker behind
+    die_with_parent(parent)  # a parent killed by SIGKILL, even before this line, leaves no worker behind
     torch.set_num_threads(threads)
     pid = os.getpid()
     try:
@@ -99,7 +99,7 @@ class WorkerPool:
         self._run = 0  # numbers each map_unordered call: results of an abandoned earlier call are dropped
         self._pending = 0  # tasks sent whose results have not come back
         self.peak_rss_mb: dict[int, float] = {}
-        self.procs = [ctx.Process(target=_work, args=(*args, threads, self.tasks, self.results),
+        self.procs = [ctx.Process(target=_work, args=(*args, threads, self.tasks, self.results, os.getpid()),
                                   name=f"attnmt-decoder-{i}", daemon=True) for i in range(workers)]
         for p in self.procs:
             p.start()

@@ -51,14 +51,14 @@ from attnmt.registry import register, register_arch
 class TransformerConfig:
     """Hyper-parameters of the Transformer; every field is a command-line option (``--encoder-layers`` ...)."""
 
-    encoder_layers: int = field(default=6, metadata={"help": "number of encoder layers (N in the paper)"})
-    decoder_layers: int = field(default=6, metadata={"help": "number of decoder layers (N in the paper)"})
-    encoder_embed_dim: int = field(default=512, metadata={"help": "encoder model width d_model"})
-    decoder_embed_dim: int = field(default=512, metadata={"help": "decoder model width d_model"})
-    encoder_ffn_embed_dim: int = field(default=2048, metadata={"help": "encoder feed-forward inner width d_ff"})
-    decoder_ffn_embed_dim: int = field(default=2048, metadata={"help": "decoder feed-forward inner width d_ff"})
-    encoder_attention_heads: int = field(default=8, metadata={"help": "encoder attention heads h"})
-    decoder_attention_heads: int = field(default=8, metadata={"help": "decoder attention heads h"})
+    encoder_layers: int = field(default=6, metadata={"min": 1, "max": 1000, "help": "number of encoder layers (N in the paper)"})
+    decoder_layers: int = field(default=6, metadata={"min": 1, "max": 1000, "help": "number of decoder layers (N in the paper)"})
+    encoder_embed_dim: int = field(default=512, metadata={"min": 1, "max": 65536, "help": "encoder model width d_model"})
+    decoder_embed_dim: int = field(default=512, metadata={"min": 1, "max": 65536, "help": "decoder model width d_model"})
+    encoder_ffn_embed_dim: int = field(default=2048, metadata={"min": 1, "max": 262144, "help": "encoder feed-forward inner width d_ff"})
+    decoder_ffn_embed_dim: int = field(default=2048, metadata={"min": 1, "max": 262144, "help": "decoder feed-forward inner width d_ff"})
+    encoder_attention_heads: int = field(default=8, metadata={"min": 1, "max": 4096, "help": "encoder attention heads h"})
+    decoder_attention_heads: int = field(default=8, metadata={"min": 1, "max": 4096, "help": "decoder attention heads h"})
     dropout: float = field(default=0.1, metadata={
         "help": "residual dropout P_drop: on embeddings + positions and on every sub-layer output"})
     attention_dropout: float = field(default=0.0, metadata={"help": "dropout on attention weights"})
@@ -76,8 +76,8 @@ class TransformerConfig:
                 "dictionary)"})
     share_decoder_input_output_embed: bool = field(default=False, metadata={
         "help": "one matrix for target embeddings and the output projection"})
-    max_source_positions: int = field(default=1024, metadata={"help": "longest source sentence in tokens"})
-    max_target_positions: int = field(default=1024, metadata={"help": "longest target sentence in tokens"})
+    max_source_positions: int = field(default=1024, metadata={"min": 1, "max": 1048576, "help": "longest source sentence in tokens"})
+    max_target_positions: int = field(default=1024, metadata={"min": 1, "max": 1048576, "help": "longest target sentence in tokens"})
 
     def __post_init__(self) -> None:
         for side in ("encoder", "decoder"):

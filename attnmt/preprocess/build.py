@@ -18,7 +18,7 @@ from attnmt.data.dictionary import Dictionary
 from attnmt.data.indexed import IndexedDatasetBuilder
 from attnmt.data.textio import ScanResult
 from attnmt.errors import UserError
-from attnmt.fileio import atomic_open, check_output_dir
+from attnmt.fileio import atomic_open, check_output_dir, exclusive, remove_stale_temps, temp_prefix
 from attnmt.preprocess.config import FORMAT_VERSION, PreprocessConfig
 from attnmt.preprocess.jobs import (
     WORKER_CACHE,
@@ -53,7 +53,10 @@ def preprocess(cfg: PreprocessConfig, quiet: bool = False) -> dict[str, Any]:
     get("bpe", cfg.bpe)
     get("tokenizer", cfg.tokenizer)
     splits = plan_splits(cfg)
-    return _preprocess(cfg, splits, quiet, t0)  # SIGTERM unwinds like Ctrl-C (attnmt.signals): tmp is removed
+    with exclusive(destdir.parent / f".{destdir.name}.lock", f"--destdir {destdir}",
+                   "wait for it to finish, or choose another --destdir"):
+        remove_stale_temps(destdir.parent, destdir.name)  # a killed run's half-built directory
+        return _preprocess(cfg, splits, quiet, t0)  # SIGTERM unwinds like Ctrl-C (attnmt.signals): tmp is removed
 
 
 def _preprocess(cfg: PreprocessConfig, splits: list[Split], quiet: bool, t0: float) -> dict[str, Any]:
@@ -78,7 +81,7 @@ def _preprocess(cfg: PreprocessConfig, splits: list[Split], quiet: bool, t0: flo
             progress.close()
             return {**existing, "up_to_date": True, "destdir": str(destdir), "elapsed_s": time.time() - t0}
         destdir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{destdir.name}.tmp-", dir=destdir.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(destdir.name), dir=destdir.parent))
         try:
             summary = _build(cfg, splits, scans, fingerprint, tmp, runner, progress)
             summary["elapsed_s"] = round(time.time() - t0, 3)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import os
 import signal
 from collections.abc import Callable
 from typing import Any
@@ -27,7 +28,7 @@ class Runner:
             # SIGTERM stays blocked while the pool forks; each worker unblocks it once its handler is the default
             # (and the command gets a SIGTERM sent meanwhile right after).
             with _sigterm_blocked():
-                self.pool = mp.get_context(method).Pool(workers, initializer=_worker_init)
+                self.pool = mp.get_context(method).Pool(workers, initializer=_worker_init, initargs=(os.getpid(),))
 
     def map(self, fn: Callable, jobs: list, progress: Callable[[Any], None] | None = None) -> list:
         if self.pool is None:
@@ -61,12 +62,12 @@ def _sigterm_blocked():
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
-def _worker_init() -> None:
+def _worker_init(parent: int) -> None:
     # Ctrl-C and kill reach the main process, which ends the pool; workers just die when told to
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # blocked while the pool forked (Runner)
-    die_with_parent()
+    die_with_parent(parent)
 
 
 def _indexed_call(arg):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -20,7 +21,7 @@ class TrainConfig:
     skip_invalid_size_inputs_valid_test: bool = field(default=False, metadata={
         "help": "accepted for fairseq command lines: attnmt always skips, and reports, pairs longer than the model "
                 "takes"})
-    required_batch_size_multiple: int = field(default=8, metadata={
+    required_batch_size_multiple: int = field(default=8, metadata={"min": 1,
         "help": "full batches hold a multiple of this many sentences (friendlier matrix shapes)"})
     required_seq_len_multiple: int = field(default=0, metadata={
         "help": "pad every batch's source and target length up to a multiple of N (fewer distinct shapes, "
@@ -29,12 +30,12 @@ class TrainConfig:
     # stopping
     max_update: int = field(default=0, metadata={"help": "stop after this many updates (0: no limit)"})
     max_epoch: int = field(default=0, metadata={"help": "stop after this many epochs (0: no limit)"})
-    max_time_minutes: float = field(default=0.0, metadata={
+    max_time_minutes: float = field(default=0.0, metadata={"min": 0,
         "help": "stop after this much training time, summed over restarts (0: no limit)"})
-    patience: int = field(default=-1, metadata={
+    patience: int = field(default=-1, metadata={"min": -1,
         "help": "stop when the best validation metric has not improved for N validations (-1: off)"})
     # numerics and device
-    seed: int = field(default=1, metadata={"help": "random seed (initialisation, dropout, batch order)"})
+    seed: int = field(default=1, metadata={"min": 0, "max": 2**32 - 1, "help": "random seed (initialisation, dropout, batch order)"})
     precision: Literal["auto", "fp32", "bf16", "fp16"] = field(default="fp32", metadata={
         "help": "auto: bf16 where the hardware computes it natively (a CPU with AMX or AVX-512 BF16, a GPU of "
                 "compute capability >= 8.0), fp32 otherwise; bf16: bf16 autocast with fp32 master weights (an "
@@ -42,8 +43,8 @@ class TrainConfig:
     bf16: bool = field(default=False, metadata={"help": "fairseq's spelling of --precision bf16"})
     fp16: bool = field(default=False, metadata={"help": "fairseq's spelling of --precision fp16"})
     cpu: bool = field(default=False, metadata={"help": "train on the CPU even when CUDA is available"})
-    threads: int | None = field(default=None, metadata={"help": "CPU threads for torch (torch.set_num_threads)"})
-    clip_norm: float = field(default=0.0, metadata={"help": "clip the gradient norm to this value (0: off)"})
+    threads: int | None = field(default=None, metadata={"min": 1, "max": 4096, "help": "CPU threads for torch (torch.set_num_threads)"})
+    clip_norm: float = field(default=0.0, metadata={"min": 0, "help": "clip the gradient norm to this value (0: off)"})
     cpu_attention: Literal["auto", "math", "flash"] = field(default="auto", metadata={
         "help": "attention kernel on CPU: math (matmul-softmax-matmul, fastest for sentences up to ~256 tokens), "
                 "flash (fused, faster for long sequences) or auto (math up to 256 tokens, flash beyond)"})
@@ -52,7 +53,7 @@ class TrainConfig:
     save_interval: int = field(default=1, metadata={"help": "save an epoch checkpoint every N epochs"})
     save_interval_updates: int = field(default=0, metadata={
         "help": "also save checkpoint_EPOCH_UPDATES.pt every N updates (0: off)"})
-    save_interval_minutes: float = field(default=0.0, metadata={
+    save_interval_minutes: float = field(default=0.0, metadata={"min": 0,
         "help": "also save checkpoint_EPOCH_UPDATES.pt every N minutes of training (0: off)"})
     keep_interval_updates: int = field(default=-1, metadata={
         "help": "keep only the newest N update-interval checkpoints (-1: all)"})
@@ -82,11 +83,11 @@ class TrainConfig:
     disable_validation: bool = field(default=False, metadata={"help": "never validate"})
     eval_bleu: bool = field(default=False, metadata={
         "help": "also decode the validation set with beam search and report detokenized sacreBLEU"})
-    eval_bleu_beam: int = field(default=4, metadata={"help": "beam size for --eval-bleu"})
+    eval_bleu_beam: int = field(default=4, metadata={"min": 1, "max": 1024, "help": "beam size for --eval-bleu"})
     eval_bleu_lenpen: float = field(default=0.6, metadata={"help": "length penalty alpha for --eval-bleu"})
-    eval_bleu_max_len_a: float = field(default=1.0, metadata={"help": "--eval-bleu max length = a * src_len + b"})
-    eval_bleu_max_len_b: int = field(default=50, metadata={"help": "--eval-bleu max length = a * src_len + b"})
-    eval_bleu_max_sentences: int = field(default=0, metadata={
+    eval_bleu_max_len_a: float = field(default=1.0, metadata={"min": 0, "help": "--eval-bleu max length = a * src_len + b"})
+    eval_bleu_max_len_b: int = field(default=50, metadata={"min": 0, "help": "--eval-bleu max length = a * src_len + b"})
+    eval_bleu_max_sentences: int = field(default=0, metadata={"min": 0,
         "help": "decode only the first N validation sentences for --eval-bleu (0: all)"})
     eval_bleu_args: str | None = field(default=None, metadata={
         "help": "fairseq's JSON form of the --eval-bleu search: keys beam, lenpen, max_len_a, max_len_b (e.g. "
@@ -111,7 +112,7 @@ class TrainConfig:
     finetune_from: str | None = field(default=None, metadata={
         "help": "start from this checkpoint's weights only (ignored when SAVE_DIR/checkpoint_last.pt exists)"})
     # output
-    log_interval: int = field(default=100, metadata={"help": "log training figures every N updates"})
+    log_interval: int = field(default=100, metadata={"min": 1, "help": "log training figures every N updates"})
     progress: Literal["auto", "bar", "lines", "simple", "json", "none"] = field(default="auto", metadata={
         "help": "progress display on stderr: auto (bar on a terminal, lines otherwise), bar, lines, simple (lines "
                 "with timestamps), json (the train.jsonl records), none"})
@@ -186,8 +187,8 @@ class TrainConfig:
                              f"{', '.join(keys)}")
         for key, value in args.items():
             kind = type(getattr(self, keys[key]))
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise ValueError(f"--eval-bleu-args: {key} must be a number, got {value!r}")
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise ValueError(f"--eval-bleu-args: {key} must be a finite number, got {value!r}")
             setattr(self, keys[key], kind(value))
 
 

@@ -55,7 +55,7 @@ class DistributedConfig:
                 "CPU with gloo) and wait for them; 0: this process only, or the processes torchrun started"})
     distributed_backend: Literal["auto", "nccl", "gloo"] = field(default="auto", metadata={
         "help": "torch.distributed backend: auto (nccl on CUDA, gloo on the CPU), nccl or gloo"})
-    ddp_timeout: float = field(default=600.0, metadata={
+    ddp_timeout: float = field(default=600.0, metadata={"above": 0,
         "help": "seconds a collective operation may wait for the other processes before the run stops with an "
                 "error naming the missing rank (a dead or hung peer)"})
 

@@ -31,7 +31,7 @@ from attnmt.backends import backend_for, resolve_precision, training_device
 from attnmt.config import to_dict
 from attnmt.data.batching import EpochBatchIterator, Skipped
 from attnmt.errors import UserError
-from attnmt.fileio import check_output_dir, check_output_file
+from attnmt.fileio import check_output_dir, check_output_file, exclusive
 from attnmt.optim import build_lr_scheduler, build_optimizer
 from attnmt.progress import RunLog, fmt_number, hms
 from attnmt.registry import get
@@ -67,11 +67,24 @@ def train(data_bin: str | os.PathLike, setup: Setup, cfg: TrainConfig,
         owns_group = not distributed.is_initialized()
         peers = distributed.init(distributed.Env(cfg.rank, cfg.world_size, cfg.local_rank), device, dist_cfg)
     try:
-        with distributed.collective_errors(peers, dist_cfg.ddp_timeout, Path(cfg.save_dir)):
+        with distributed.collective_errors(peers, dist_cfg.ddp_timeout, Path(cfg.save_dir)), _save_dir_lock(cfg):
             return _train(data_bin, setup, cfg, extra_validators, dist_cfg, device, precision, t_start)
     finally:
         if owns_group:
             distributed.shutdown()
+
+
+LOCK = ".attnmt.lock"  # in --save-dir: held by the run writing there (rank 0)
+
+
+def _save_dir_lock(cfg: TrainConfig):
+    """One run at a time writes a --save-dir (its checkpoints, train.jsonl and temp files): rank 0 holds a lock
+    on it for the whole run; a second run there stops at once, naming the first."""
+    if cfg.rank != 0:
+        return contextlib.nullcontext()
+    save_dir = check_output_dir(cfg.save_dir, "--save-dir")
+    return exclusive(save_dir / LOCK, f"--save-dir {save_dir}",
+                     "wait for that run to end (or stop it), or choose another --save-dir")
 
 
 def _train(data_bin, setup: Setup, cfg: TrainConfig, extra_validators, dist_cfg: distributed.DistributedConfig,
@@ -152,6 +165,9 @@ def _train(data_bin, setup: Setup, cfg: TrainConfig, extra_validators, dist_cfg:
             train_time = resume(restore, cfg, setup, trainer, itr, best, model_name, model_cfg, data_state, log)
         elif cfg.finetune_from:
             finetune(Path(cfg.finetune_from), trainer, data_state, log)
+        if not last.exists() and log.forget_after(trainer.num_updates):  # a run killed before its first full save
+            log.info(f"train.jsonl: dropped the records of an earlier run that left no {checkpoint.LAST}; this run "
+                     f"starts at update {trainer.num_updates}")
 
         _report_start(log, task, setup, cfg, model, itr, skipped, valid_sets, trainer.backend, notes)
         if cfg.world_size > 1:
