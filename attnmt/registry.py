@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from attnmt.errors import UserError
+from attnmt.signals import Terminated
 
 KINDS = ("model", "arch", "task", "criterion", "optimizer", "lr_scheduler", "tokenizer", "bpe", "search")
 
@@ -165,7 +166,9 @@ def load_entry_point_plugins() -> None:
     for ep in entry_points(group="attnmt.plugins"):
         try:
             ep.load()
-        except Exception as e:  # a broken third-party plugin must not hide behind a traceback
+        except (KeyboardInterrupt, Terminated):
+            raise
+        except BaseException as e:  # a broken third-party plugin must not hide behind a traceback
             raise UserError(f"plugin '{ep.name}' ({ep.value}) failed to load: {type(e).__name__}: {e}; "
                             f"fix or uninstall the package that provides it") from e
 
@@ -187,6 +190,18 @@ def import_user_dir(path: str | Path, option: str = "--user-dir") -> None:
         search = [str(p)]
     else:
         modname, location, search = p.stem, p, None
+    if not modname.isidentifier():
+        raise UserError(f"{option} {path}: '{modname}' is not a Python module name; rename the plugin (letters, "
+                        f"digits and underscores)")
+    if modname not in _user_modules:
+        try:
+            installed = importlib.util.find_spec(modname)
+        except (ImportError, ValueError):
+            installed = None
+        origin = getattr(installed, "origin", None)
+        if origin and origin not in ("built-in", "frozen") and Path(origin).resolve() != location.resolve():
+            raise UserError(f"{option} {path}: its module name '{modname}' is that of an installed module "
+                            f"({origin}), which it would hide; rename the plugin")
     if modname in sys.stdlib_module_names or (modname in sys.modules and modname not in _user_modules):
         raise UserError(f"{option} {path}: its module name '{modname}' is already taken by "
                         f"{'a standard module' if modname in sys.stdlib_module_names else 'an imported module'}, "
@@ -202,9 +217,12 @@ def import_user_dir(path: str | Path, option: str = "--user-dir") -> None:
         del sys.modules[modname]
         raise UserError(f"{option} {path}: the plugin called sys.exit({e.code}) while being imported; a plugin "
                         f"should only register components") from None
-    except Exception as e:
+    except (KeyboardInterrupt, Terminated):
         del sys.modules[modname]
-        raise UserError(f"{option} {path}: importing the plugin failed: {type(e).__name__}: {e}") from e
+        raise
+    except BaseException as e:  # Exception, and anything else a plugin raises (BaseException itself included)
+        del sys.modules[modname]
+        raise UserError(f"{option} {path}: importing the plugin failed: {type(e).__name__}: {e}") from None
     _loaded_user_dirs.add(key)
     _user_modules.add(modname)
 

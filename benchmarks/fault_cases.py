@@ -258,7 +258,7 @@ def checkpoint_cases() -> list[Case]:
         Case("checkpoints", "kill during the first save, then resume", train, both(expect_ok(), _log_consistent),
              setup=_kill_first_save),
         Case("checkpoints", "resume after an unterminated train.jsonl line, then plot",
-             f"{train} && $A plot curves ckpt/train.jsonl --out curves.png", expect_ok(),
+             f"{train} && $A plot curves --log ckpt/train.jsonl --out curves.png", expect_ok(),
              setup=copy_bin_and(unterminated)),
         Case("checkpoints", "resume with a non-UTF-8 byte in train.jsonl", train, expect_ok(),
              setup=copy_bin_and(bad_utf8)),
@@ -300,7 +300,7 @@ def temp_cases() -> list[Case]:
              "(ulimit -f 64; $A export --path $MODEL --to ctranslate2 --output-dir ct2); "
              "$A export --path $MODEL --to ctranslate2 --output-dir ct2", expect_ok()),
         Case("temp files", "preprocess past the file-size limit names the file",
-             f"ulimit -f 8; {prep}", expect_error("out/", "ulimit")),
+             f"ulimit -f 8; {prep}", expect_error("out:", "ulimit")),
     ]
 
 
@@ -419,7 +419,7 @@ def output_cases() -> list[Case]:
              setup=fifo, timeout=60),
         Case("outputs", "--output to a symlink", f"{gen} --output link.txt; test -L link.txt; wc -l < real.txt",
              expect_ok(lambda r: None if r.out.strip() == "100" else "the link was replaced"), setup=link),
-        Case("outputs", "--output /dev/stdout", f"{gen} --output /dev/stdout | wc -l",
+        Case("outputs", "--output /dev/fd/1 (a pipe)", f"{gen} --output /dev/fd/1 | wc -l",
              expect_ok(lambda r: None if r.out.strip() == "100" else f"{r.out.strip()} lines")),
         Case("outputs", "translate with stdout closed", "echo 'A man.' | $A translate --path $MODEL >&-",
              expect_error("stdout")),

@@ -7,6 +7,7 @@ Plugins are loaded before the commands are built, so that a plugin's components 
 from __future__ import annotations
 
 import importlib
+import io
 import os
 import sys
 
@@ -113,8 +114,50 @@ def _quiet_exit(code: int) -> None:
     sys.exit(code)
 
 
+class _ClosedStream(io.TextIOBase):
+    """Stands for a standard stream the process was started without (``<&-``, ``>&-``): any use is a one-line
+    error naming it, instead of output that silently goes nowhere or a traceback."""
+
+    def __init__(self, name: str, redirect: str):
+        self.name, self.redirect = name, redirect
+
+    def _closed(self, *args, **kwargs):
+        raise UserError(f"{self.name} is closed (the command was started with {self.redirect}); give it an open "
+                        f"{self.name}, e.g. a file or a pipe")
+
+    read = readline = readlines = write = writelines = fileno = _closed
+    buffer = property(_closed)
+
+    def flush(self) -> None:  # nothing was written; the interpreter flushes stdout as it exits
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+    def readable(self) -> bool:
+        return self.name == "stdin"
+
+    def writable(self) -> bool:
+        return self.name == "stdout"
+
+
+def _standard_streams() -> None:
+    """attnmt reads and writes UTF-8 text whatever the locale or ``PYTHONIOENCODING`` say (a translation's
+    characters must not depend on them); stderr escapes what its encoding cannot show; closed streams become
+    :class:`_ClosedStream`."""
+    for name, redirect in (("stdin", "<&-"), ("stdout", ">&-")):
+        stream = getattr(sys, name)
+        if stream is None:
+            setattr(sys, name, _ClosedStream(name, redirect))
+        elif isinstance(stream, io.TextIOWrapper) and stream.encoding.lower().replace("-", "") != "utf8":
+            stream.reconfigure(encoding="utf-8")
+    if isinstance(sys.stderr, io.TextIOWrapper) and sys.stderr.encoding.lower().replace("-", "") != "utf8":
+        sys.stderr.reconfigure(errors="backslashreplace")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    _standard_streams()
     try:
         from attnmt import signals
         from attnmt.registry import load_plugins
@@ -142,10 +185,9 @@ def main(argv: list[str] | None = None) -> None:
     except (_PipeClosed, BrokenPipeError):
         _quiet_exit(0)  # e.g. `attnmt generate ... | head`: not an error of ours
     except OSError as e:
-        from attnmt.fileio import WRITE_ERRNOS
+        from attnmt.fileio import WRITE_ERRNOS, write_error
 
         if e.errno not in WRITE_ERRNOS:
             raise
-        where = f"{e.filename}: cannot write" if e.filename else "writing the output failed"
-        click.echo(f"attnmt: error: {where} ({e.strerror}); free some space or write elsewhere", err=True)
+        click.echo(f"attnmt: error: {write_error(e.filename or 'stdout', e)}", err=True)
         sys.exit(1)

@@ -81,6 +81,7 @@ def _binarized_split(bundle, data_bin: str, subset: str):
         raise UserError(f"{prefix}.{src}.bin/.idx: split '{subset}' not found in {data_bin}; choose another "
                         f"--gen-subset or binarize it with attnmt preprocess --testpref")
     src_ds = IndexedDataset(f"{prefix}.{src}")
+    src_ds.check_ids(len(bundle.src_dict), f"the checkpoint's {src} dictionary")
     sources = [src_ds[i].tolist() for i in range(len(src_ds))]
     refs = None
     if exists(f"{prefix}.{tgt}"):
@@ -88,6 +89,7 @@ def _binarized_split(bundle, data_bin: str, subset: str):
         if len(tgt_ds) != len(src_ds):
             raise UserError(f"{prefix}.{tgt}.idx: {len(tgt_ds)} sentences but the source has {len(src_ds)}; "
                             f"re-run attnmt preprocess")
+        tgt_ds.check_ids(len(bundle.tgt_dict), f"the checkpoint's {tgt} dictionary")
         refs = [bundle.detokenize(bundle.tgt_dict.string(tgt_ds[i])) for i in range(len(tgt_ds))]
     texts = [bundle.src_pipeline.decode(bundle.source_pieces(s)) for s in sources]
     return sources, refs, texts

@@ -99,7 +99,7 @@ def command(data_dir, path, input_path, buffer_size, source_lang, target_lang, t
         stream = sys.stdin if input_path == "-" else open(input_path, encoding="utf-8")  # noqa: SIM115
         first, out = 0, sys.stdout
         try:
-            for lines in line_batches(stream, buffer_size):
+            for lines in line_batches(stream, buffer_size, "stdin" if input_path == "-" else input_path):
                 t0 = time.perf_counter()
                 results = dict(generator.generate(bundle.encode_sources(lines), gen_cfg.max_tokens,
                                                   gen_cfg.batch_size, first_id=first, where="input"))

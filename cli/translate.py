@@ -29,11 +29,12 @@ def _fileno(stream) -> int | None:
         return None
 
 
-def line_batches(stream, limit: int) -> Iterator[list[str]]:
+def line_batches(stream, limit: int, name: str = "stdin") -> Iterator[list[str]]:
     """Batches of lines from ``stream``: wait for one line, then add every complete line already available.
 
     Reads the file descriptor directly (a text wrapper's hidden buffer would hide waiting lines from
-    ``select``); a stream without one (tests, wrappers) is read ``limit`` lines at a time.
+    ``select``); a stream without one (tests, wrappers) is read ``limit`` lines at a time. ``name``: the
+    stream's name in error messages (a file's path, or stdin).
     """
     fd = _fileno(stream)
     if fd is None:
@@ -60,7 +61,8 @@ def line_batches(stream, limit: int) -> Iterator[list[str]]:
                 text = decoder.decode(chunk, final=not chunk)
             except UnicodeDecodeError as e:
                 bad = lineno + len(pending) + bytes(e.object[: e.start]).count(b"\n") + 1
-                raise UserError(f"stdin:{bad}: not valid UTF-8; send UTF-8 text") from None
+                raise UserError(f"{name}:{bad}: not valid UTF-8; {'send' if name == 'stdin' else 'give'} UTF-8 "
+                                f"text") from None
             if not chunk:
                 eof = True
                 if buf + text:

@@ -293,6 +293,20 @@ class IndexedDataset:
         for i in range(self._count):
             yield self[i]
 
+    def check_ids(self, vocab_size: int, dictionary: str = "its dictionary") -> None:
+        """A UserError naming the file, the first sequence and the id unless every id is below ``vocab_size``
+        (ids of another dictionary would index past the embeddings). Reads the ids in blocks of 16M."""
+        block = 1 << 24
+        for start in range(0, self._total, block):
+            chunk = np.asarray(self._data[start:start + block])
+            bad = np.flatnonzero(chunk >= vocab_size)
+            if bad.size:
+                at = start + int(bad[0])
+                seq = int(np.searchsorted(self.offsets, at, side="right")) - 1
+                raise UserError(f"{bin_path(self.prefix)}: sentence {seq} holds token id {int(chunk[bad[0]])}, beyond "
+                                f"the {vocab_size} symbols of {dictionary}; it was binarized with another "
+                                f"dictionary: binarize it again with attnmt preprocess (--srcdict/--tgtdict)")
+
     def __getstate__(self) -> dict:
         return {"prefix": self.prefix}
 

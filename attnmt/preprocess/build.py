@@ -18,7 +18,15 @@ from attnmt.data.dictionary import Dictionary
 from attnmt.data.indexed import IndexedDatasetBuilder
 from attnmt.data.textio import ScanResult
 from attnmt.errors import UserError
-from attnmt.fileio import atomic_open, check_output_dir, exclusive, remove_stale_temps, temp_prefix
+from attnmt.fileio import (
+    WRITE_ERRNOS,
+    atomic_open,
+    check_output_dir,
+    exclusive,
+    remove_stale_temps,
+    temp_prefix,
+    write_error,
+)
 from attnmt.preprocess.config import FORMAT_VERSION, PreprocessConfig
 from attnmt.preprocess.jobs import (
     WORKER_CACHE,
@@ -83,7 +91,12 @@ def _preprocess(cfg: PreprocessConfig, splits: list[Split], quiet: bool, t0: flo
         destdir.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(destdir.name), dir=destdir.parent))
         try:
-            summary = _build(cfg, splits, scans, fingerprint, tmp, runner, progress)
+            try:
+                summary = _build(cfg, splits, scans, fingerprint, tmp, runner, progress)
+            except OSError as e:  # the work files are written inside tmp, beside --destdir
+                if e.errno not in WRITE_ERRNOS:
+                    raise
+                raise write_error(destdir, e, "--destdir") from None
             summary["elapsed_s"] = round(time.time() - t0, 3)
             with atomic_open(tmp / "preprocess.json", "w") as f:
                 json.dump(summary, f, indent=2, ensure_ascii=False)

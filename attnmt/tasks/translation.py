@@ -109,6 +109,8 @@ class TranslationTask:
         if len(src) != len(tgt):
             raise UserError(f"{prefixes[1]}.idx: {len(tgt)} sentences but {prefixes[0]}.idx has {len(src)}; "
                             f"re-run attnmt preprocess")
+        src.check_ids(len(self.src_dict), f"dict.{self.src_lang}.txt")
+        tgt.check_ids(len(self.tgt_dict), f"dict.{self.tgt_lang}.txt")
         return LanguagePairDataset(src, tgt, pad=self.src_dict.pad(), eos=self.src_dict.eos(),
                                    pad_to_multiple=pad_to_multiple)
 
