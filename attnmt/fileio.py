@@ -139,18 +139,18 @@ def exclusive(lock_file: str | os.PathLike, what: str, fix: str) -> Iterator[Non
     """Hold an exclusive lock on ``lock_file`` (``flock``; created if needed) for the block: one attnmt process
     at a time writes ``what``. A second one fails at once with a UserError naming the holder (its pid, command
     and start time, recorded in the file) and ``fix``. The kernel drops the lock when its holder dies, however
-    it dies: a stale lock file never blocks anyone."""
+    it dies: a stale lock file never blocks anyone; the holder removes the file when the block ends."""
     import fcntl
     import json
     import sys
     import time
 
     lock_file = Path(lock_file)
-    try:
-        fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
-        raise (write_error(lock_file, e) if e.errno in WRITE_ERRNOS else e) from None
-    try:
+    while True:
+        try:
+            fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise (write_error(lock_file, e) if e.errno in WRITE_ERRNOS else e) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -160,7 +160,15 @@ def exclusive(lock_file: str | os.PathLike, what: str, fix: str) -> Iterator[Non
                        f"{holder.get('host', '?')}, since {holder.get('started', '?')})")
             except (ValueError, OSError, AttributeError):
                 who = "another attnmt process"
+            os.close(fd)
             raise UserError(f"{what} is in use by {who}; {fix}") from None
+        try:  # the holder before us may have removed the file between our open and our lock: take the new one
+            if os.stat(lock_file).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
         record = {"pid": os.getpid(), "host": os.uname().nodename, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                   "command": " ".join(sys.argv[1:3]) or "?"}
         with contextlib.suppress(OSError):
@@ -168,6 +176,8 @@ def exclusive(lock_file: str | os.PathLike, what: str, fix: str) -> Iterator[Non
             os.pwrite(fd, (json.dumps(record) + "\n").encode("utf-8"), 0)
         yield
     finally:
+        with contextlib.suppress(OSError):
+            os.unlink(lock_file)  # still holding the lock: whoever opens the path next gets a new file
         os.close(fd)
 
 
@@ -241,6 +251,12 @@ def atomic_torch_save(obj, path: str | os.PathLike) -> None:
     except RuntimeError as e:  # torch's zip writer reports a failed write (ENOSPC) as "unexpected pos"
         if "inline_container" not in str(e) and "unexpected pos" not in str(e):
             raise
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY:  # the likelier cause: writes past it fail as on a full disk
+            raise UserError(f"{path}: cannot write the checkpoint (File too large: this process may write files "
+                            f"of at most {limit:,} bytes, ulimit -f); raise the limit or write less") from None
         free = shutil.disk_usage(Path(path).parent).free
         raise UserError(f"{path}: cannot write the checkpoint (the write failed: disk full? {free / 2**20:.0f} MB "
                         f"free once the partial file was removed); free some space or choose another directory") \

@@ -193,6 +193,10 @@ def import_user_dir(path: str | Path, option: str = "--user-dir") -> None:
     if not modname.isidentifier():
         raise UserError(f"{option} {path}: '{modname}' is not a Python module name; rename the plugin (letters, "
                         f"digits and underscores)")
+    if modname in sys.stdlib_module_names or (modname in sys.modules and modname not in _user_modules):
+        raise UserError(f"{option} {path}: its module name '{modname}' is already taken by "
+                        f"{'a standard module' if modname in sys.stdlib_module_names else 'an imported module'}, "
+                        f"which it would replace; rename the plugin")
     if modname not in _user_modules:
         try:
             installed = importlib.util.find_spec(modname)
@@ -202,10 +206,6 @@ def import_user_dir(path: str | Path, option: str = "--user-dir") -> None:
         if origin and origin not in ("built-in", "frozen") and Path(origin).resolve() != location.resolve():
             raise UserError(f"{option} {path}: its module name '{modname}' is that of an installed module "
                             f"({origin}), which it would hide; rename the plugin")
-    if modname in sys.stdlib_module_names or (modname in sys.modules and modname not in _user_modules):
-        raise UserError(f"{option} {path}: its module name '{modname}' is already taken by "
-                        f"{'a standard module' if modname in sys.stdlib_module_names else 'an imported module'}, "
-                        f"which it would replace; rename the plugin")
     spec = importlib.util.spec_from_file_location(modname, location, submodule_search_locations=search)
     module = importlib.util.module_from_spec(spec)
     sys.modules[modname] = module

@@ -22,7 +22,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -383,23 +382,19 @@ def option_cases() -> list[Case]:
     return cases
 
 
-def _no_process_left(r: Result) -> str | None:
-    time.sleep(2)
-    out = subprocess.run(["pgrep", "-f", f"attnmt-fault-marker-{r.cwd.name}"], capture_output=True, text=True).stdout
-    pids = out.split()
-    for pid in pids:
-        os.kill(int(pid), signal.SIGKILL)
-    return f"{len(pids)} process(es) left running" if pids else None
+def _none_left(r: Result) -> str | None:
+    left = next((line.split("=", 1)[1] for line in r.out.splitlines() if line.startswith("left=")), "?")
+    return None if left == "0" else f"{left} process(es) of the killed command still running"
 
 
 def worker_cases() -> list[Case]:
     out = []
     for delay in (0.5, 2, 4):
         out.append(Case("workers", f"SIGKILL to translate --workers 2 {delay} s after its start",
-                        f"(yes 'A man is riding a bike.' | head -2000 | exec -a attnmt-fault-marker-$(basename $PWD) "
-                        f"$PY -m attnmt.cli translate --path $MODEL --workers 2 --threads 2 > /dev/null) & "
-                        f"sleep {delay}; pkill -KILL -f '^attnmt-fault-marker'; wait; exit 0",
-                        lambda r: _no_process_left(r)))
+                        "setsid bash -c 'exec $PY -m attnmt.cli translate --path $MODEL --workers 2 --threads 2 "
+                        f"< in.txt > /dev/null' & pid=$!; sleep {delay}; kill -9 $pid; sleep 10; "
+                        "echo left=$(pgrep -s $pid | wc -l); pkill -9 -s $pid; exit 0",
+                        _none_left, setup=_write("in.txt", "A man is riding a bike.\n" * 2000), timeout=120))
     return out
 
 
@@ -425,9 +420,10 @@ def output_cases() -> list[Case]:
              expect_error("stdout")),
         Case("outputs", "translate with stdin closed", "$A translate --path $MODEL <&-", expect_error("stdin")),
         Case("outputs", "score with stdin closed", "$A score --ref $RAW/test.de <&-", expect_error("stdin")),
-        Case("outputs", "translate with PYTHONIOENCODING=ascii",
-             "head -20 $RAW/test.en | $A translate --path $MODEL", expect_ok(lambda r: None if r.out.count("\n") == 20
-                                                                            else "lines lost"),
+        Case("outputs", "translate --format fairseq with PYTHONIOENCODING=ascii",
+             "head -20 $RAW/test.de | $A translate --path $MODEL --format fairseq",
+             expect_ok(lambda r: None if "ü" in r.out and sum(x.startswith("H-") for x in r.out.splitlines()) == 20
+                       else "lines lost"),
              env={"PYTHONIOENCODING": "ascii"}),
         Case("outputs", "score with PYTHONIOENCODING=ascii", "$A score --ref $RAW/test.de < $RAW/test.de",
              expect_ok(), env={"PYTHONIOENCODING": "ascii"}),

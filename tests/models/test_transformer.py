@@ -387,7 +387,7 @@ def test_overrides_win_over_the_preset_and_are_type_checked():
     ({"encoder_attention_heads": 7}, "not divisible by --encoder-attention-heads 7"),
     ({"dropout": 1.0}, r"--dropout must be in \[0, 1\)"),
     ({"attention_dropout": -0.1}, "--attention-dropout"),
-    ({"decoder_layers": 0}, "--decoder-layers must be at least 1"),
+    ({"decoder_layers": 0}, "--decoder-layers 0: out of range; give a number >= 1"),
     ({"decoder_embed_dim": 33, "decoder_attention_heads": 3}, "sinusoidal positions need an even width"),
     ({"max_target_positions": 0}, "--max-target-positions"),
 ])
