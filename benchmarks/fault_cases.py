@@ -389,9 +389,9 @@ def _none_left(r: Result) -> str | None:
 
 def worker_cases() -> list[Case]:
     out = []
-    for delay in (0.5, 2, 4):
-        out.append(Case("workers", f"SIGKILL to translate --workers 2 {delay} s after its start",
-                        "setsid bash -c 'exec $PY -m attnmt.cli translate --path $MODEL --workers 2 --threads 2 "
+    for delay in (2, 3, 4, 5):  # spawned workers (several threads each) starting up, then translating
+        out.append(Case("workers", f"SIGKILL to translate --workers 2 --threads 4 {delay} s after its start",
+                        "setsid bash -c 'exec $PY -m attnmt.cli translate --path $MODEL --workers 2 --threads 4 "
                         f"< in.txt > /dev/null' & pid=$!; sleep {delay}; kill -9 $pid; sleep 10; "
                         "echo left=$(pgrep -s $pid | wc -l); pkill -9 -s $pid; exit 0",
                         _none_left, setup=_write("in.txt", "A man is riding a bike.\n" * 2000), timeout=120))

@@ -11,22 +11,27 @@
 # test_2017_mscoco (de), test_2018_flickr (all); a test set is used when both its sides are in the manifest.
 #
 # Configuration: the training settings below were chosen on val (docs/results.md, "Multi30k: what was tried").
-# PROFILE=auto picks them from the hardware, by how many updates the 55 minutes buy: "amx" on a CPU with AMX
-# (bf16, ~8,600 updates), "bf16" where the CPU computes bf16 natively otherwise (AVX-512 BF16, ~4,300-4,600), "fp32"
-# elsewhere (~2,300-2,600). They differ in the residual dropout: 0.2 for the shorter runs, which are still
-# under-fitted at the end, 0.3 for AMX's twice longer one. The choice is printed.
+# The precision comes from the hardware (bf16 where the CPU computes it natively, fp32 elsewhere); the settings
+# come from the speed measured on this machine: a probe of 60 updates before training gives the updates the time
+# budget buys, and the residual dropout follows from that count: 0.2 for runs of up to ~6,500 updates (still
+# under-fitted at the end), 0.3 for longer ones (which over-fit with 0.2). The probe, the expected updates and the
+# choice are printed. The averaging windows tried on val include the checkpoints around the best validation loss
+# (a run that over-fits late still gets its best stretch), next to the last ones.
 #
 # Knobs (environment variables):
 #   SRC, TGT          language pair                                       [en, de]
 #   DATA_DIR          local copies of the Multi30k .gz files (e.g. ../shared/data/multi30k); empty: download them
 #   WORK              output directory                                    [runs/multi30k_SRC_TGT]
-#   PROFILE           auto, amx, bf16 or fp32 (settings and precision, see above)   [auto]
+#   PROFILE           auto (the probe decides), or a fixed choice: long (bf16, dropout 0.3), bf16 (dropout 0.2),
+#                     fp32 (dropout 0.2); amx is long's earlier name                     [auto]
+#   DROPOUT           residual dropout, overriding the profile's                          [the profile's]
 #   ARCH              named architecture                                  [the profile's]
 #   MAX_TIME_MINUTES  training time budget                                [55]
 #   MAX_UPDATE        stop after this many updates as well (0: no limit)  [0]
 #   THREADS           CPU threads                                         [number of cores]
 #   AVG               how many last epoch checkpoints to average; several values ("5 10"): the one with the
-#                     best val BLEU is used for the test sets             [the profile's]
+#                     best val BLEU is used for the test sets             [5 10]
+#   AVG_BEST          also average the N checkpoints of the lowest validation loss (0: not)   [5]
 #   LENPEN            length penalty of the beam search; several values: chosen on val as AVG   [the profile's]
 #   VOCAB             joint SentencePiece vocabulary size                 [the profile's]
 #   TRAIN_LINES       use only the first N training pairs (smoke tests; 0: all)  [0]
@@ -59,32 +64,30 @@ for l in "$SRC" "$TGT"; do
   case " $LANGS " in *" $l "*) ;; *) fail "no Multi30k data for language '$l'; SRC and TGT take: $LANGS";; esac
 done
 
-# ---- the configuration, from the hardware (decided once, printed) ----
-if [ "$PROFILE" = auto ]; then
-  PROFILE=$(python -c "import torch; from attnmt.backends import capabilities; \
-from attnmt.backends.precision import resolve_precision; p = resolve_precision('auto', torch.device('cpu')); \
-print('amx' if p == 'bf16' and capabilities.cpu().bf16_hardware == 'AMX' else p)")
-fi
+# ---- the configuration: precision from the hardware, settings from the measured speed (step 3; printed) ----
 case "$PROFILE" in
-  amx) PRECISION=bf16; DROPOUT=0.3 ;;
-  bf16) PRECISION=bf16; DROPOUT=0.2 ;;
-  fp32) PRECISION=fp32; DROPOUT=0.2 ;;
-  *) fail "PROFILE=$PROFILE: use auto, amx, bf16 or fp32" ;;
+  auto) PRECISION=$(python -c "import torch; from attnmt.backends.precision import resolve_precision; \
+print(resolve_precision('auto', torch.device('cpu')))") ;;
+  long|amx) PRECISION=bf16; PROFILE_DROPOUT=0.3 ;;
+  bf16) PRECISION=bf16; PROFILE_DROPOUT=0.2 ;;
+  fp32) PRECISION=fp32; PROFILE_DROPOUT=0.2 ;;
+  *) fail "PROFILE=$PROFILE: use auto, long, bf16 or fp32" ;;
 esac
+LONG_RUN_UPDATES=6500  # from this many expected updates on, dropout 0.3 (docs/results.md, "Multi30k: what was tried")
 # The profiles share the model and schedule chosen on val; see docs/results.md for what each was measured against.
 ARCH=${ARCH:-transformer_small}
 VOCAB=${VOCAB:-8000}
 AVG=${AVG:-5 10}
+AVG_BEST=${AVG_BEST:-5}
 LENPEN=${LENPEN:-0.6 1.0}
 AVG=${AVG//,/ }; LENPEN=${LENPEN//,/ }
 for k in $AVG; do [[ "$k" =~ ^[1-9][0-9]*$ ]] || fail "AVG=$AVG: give one or more positive whole numbers"; done
+[[ "$AVG_BEST" =~ ^[0-9]+$ ]] || fail "AVG_BEST=$AVG_BEST: give a whole number (0: off)"
 for lp in $LENPEN; do [[ "$lp" =~ ^-?[0-9]+(\.[0-9]+)?$ ]] || fail "LENPEN=$LENPEN: give one or more numbers"; done
 KEEP=$(printf '%s\n' $AVG | sort -n | tail -1)
-PROFILE_TRAIN_ARGS="--max-tokens 4096 --lr 2e-3 --warmup-updates 500 --warmup-init-lr 1e-7 --label-smoothing 0.1 \
---weight-decay 0.0001 --dropout $DROPOUT"
+BASE_TRAIN_ARGS="--max-tokens 4096 --lr 2e-3 --warmup-updates 500 --warmup-init-lr 1e-7 --label-smoothing 0.1 \
+--weight-decay 0.0001"
 [ "$TRAIN_LINES" -gt 0 ] && VOCAB=${SMOKE_VOCAB:-500}
-log "profile $PROFILE (precision $PRECISION): $ARCH, vocabulary $VOCAB, $PROFILE_TRAIN_ARGS; average {$AVG}, \
-lenpen {$LENPEN} (chosen on val)"
 
 # ---- the splits this pair has ----
 TESTS=()
@@ -111,13 +114,50 @@ TESTPREF=$(printf "$RAW/%s," "${TESTS[@]}"); TESTPREF=${TESTPREF%,}
 attnmt preprocess -s "$SRC" -t "$TGT" --trainpref "$TRAIN" --validpref "$RAW/val" --testpref "$TESTPREF" \
   --destdir "$BIN" --bpe sentencepiece --vocab-size "$VOCAB" --joined-dictionary --workers "$THREADS"
 
-log "3/6 train $ARCH for at most $MAX_TIME_MINUTES minutes -> $CKPT"
+if [ -z "${DROPOUT:-}" ] && [ -n "${PROFILE_DROPOUT:-}" ]; then
+  DROPOUT=$PROFILE_DROPOUT
+  log "3/6 settings: profile $PROFILE (forced): precision $PRECISION, dropout $DROPOUT"
+elif [ -z "${DROPOUT:-}" ]; then
+  # the probe: 60 updates of the real model on the real data, nothing saved; the rate of its last 40 (the first 20
+  # build the kernels of new batch shapes) stands for the whole run
+  PROBE=$WORK/probe
+  rm -rf "$PROBE"
+  # shellcheck disable=SC2086
+  attnmt train "$BIN" --arch "$ARCH" --save-dir "$PROBE" --precision "$PRECISION" --threads "$THREADS" \
+    $BASE_TRAIN_ARGS --max-update 60 --no-save --disable-validation --log-interval 20 --progress none --seed 1 \
+    $EXTRA_TRAIN_ARGS 2> "$WORK/probe.log" || { cat "$WORK/probe.log" >&2; fail "the speed probe failed"; }
+  read -r UPS EXPECTED < <(python - "$PROBE/train.jsonl" "$MAX_TIME_MINUTES" "$MAX_UPDATE" <<'PY'
+import json, sys
+recs = [json.loads(x) for x in open(sys.argv[1], encoding="utf-8")]
+rates = sorted(r["ups"] for r in [r for r in recs if r["type"] == "train"][1:])
+summary = next(r for r in recs if r["type"] == "summary")
+ups = rates[len(rates) // 2] if rates else summary["updates_this_run"] / max(summary["train_time"], 1e-9)
+expected = int(ups * float(sys.argv[2]) * 60)
+if int(sys.argv[3]) > 0:
+    expected = min(expected, int(sys.argv[3]))
+print(f"{ups:.3f}", expected)
+PY
+)
+  rm -rf "$PROBE"
+  DROPOUT=0.2
+  [ "$EXPECTED" -ge "$LONG_RUN_UPDATES" ] && DROPOUT=0.3
+  CAP=""; [ "$MAX_UPDATE" -gt 0 ] && CAP=" (at most MAX_UPDATE=$MAX_UPDATE)"
+  log "3/6 probe: $UPS updates/s ($PRECISION) -> about $EXPECTED updates in $MAX_TIME_MINUTES minutes$CAP; chosen: \
+dropout $DROPOUT (0.3 from $LONG_RUN_UPDATES updates on)"
+else
+  log "3/6 settings: precision $PRECISION, dropout $DROPOUT (forced)"
+fi
+TRAIN_ARGS="$BASE_TRAIN_ARGS --dropout $DROPOUT"
+BEST_ARGS=""; [ "$AVG_BEST" -gt 0 ] && BEST_ARGS="--keep-best-checkpoints $AVG_BEST"
+log "3/6 train $ARCH for at most $MAX_TIME_MINUTES minutes -> $CKPT: vocabulary $VOCAB, $TRAIN_ARGS; average \
+{last $AVG, best $AVG_BEST}, lenpen {$LENPEN} (chosen on val)"
 # shellcheck disable=SC2086
 attnmt train "$BIN" --arch "$ARCH" --save-dir "$CKPT" --precision "$PRECISION" --threads "$THREADS" \
-  $PROFILE_TRAIN_ARGS --max-time-minutes "$MAX_TIME_MINUTES" --max-update "$MAX_UPDATE" \
-  --keep-last-epochs "$KEEP" --seed 1 --log-interval 50 $BLEU_ARGS $EXTRA_TRAIN_ARGS
+  $TRAIN_ARGS --max-time-minutes "$MAX_TIME_MINUTES" --max-update "$MAX_UPDATE" \
+  --keep-last-epochs "$KEEP" $BEST_ARGS --seed 1 --log-interval 50 $BLEU_ARGS $EXTRA_TRAIN_ARGS
 
-log "4/6 average the last {$AVG} epoch checkpoints; choose the window and the length penalty on val"
+log "4/6 average the last {$AVG} epoch checkpoints and the $AVG_BEST of the lowest validation loss; choose the \
+window and the length penalty on val"
 N=$(find "$CKPT" -name 'checkpoint[0-9]*.pt' | wc -l)
 MODELS=()
 if [ "$N" -ge 2 ]; then
@@ -130,6 +170,11 @@ if [ "$N" -ge 2 ]; then
     --output "$CKPT/averaged$N.pt"; MODELS+=("$N:$CKPT/averaged$N.pt"); }
 else
   MODELS+=("1:$CKPT/checkpoint_last.pt")
+fi
+mapfile -t BEST_CKPTS < <(find "$CKPT" -name 'checkpoint.best_loss_*.pt' | sort)
+if [ "$AVG_BEST" -gt 0 ] && [ "${#BEST_CKPTS[@]}" -ge 2 ]; then
+  attnmt average-checkpoints --inputs "${BEST_CKPTS[@]}" --output "$CKPT/averaged_best.pt"
+  MODELS+=("best${#BEST_CKPTS[@]}:$CKPT/averaged_best.pt")
 fi
 
 translate() {  # MODEL SUBSET LENPEN OUTFILE
