@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.machinery
 import importlib.util
 import sys
 from collections.abc import Callable
@@ -197,9 +198,11 @@ def import_user_dir(path: str | Path, option: str = "--user-dir") -> None:
         raise UserError(f"{option} {path}: its module name '{modname}' is already taken by "
                         f"{'a standard module' if modname in sys.stdlib_module_names else 'an imported module'}, "
                         f"which it would replace; rename the plugin")
-    if modname not in _user_modules:
+    if modname not in _user_modules:  # an installed module of that name, found anywhere but beside the plugin
+        home = p.parent.resolve()  # the directory holding the plugin file or package
+        elsewhere = [d for d in sys.path if Path(d or ".").resolve() != home]
         try:
-            installed = importlib.util.find_spec(modname)
+            installed = importlib.machinery.PathFinder.find_spec(modname, elsewhere)
         except (ImportError, ValueError):
             installed = None
         origin = getattr(installed, "origin", None)
