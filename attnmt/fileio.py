@@ -202,7 +202,7 @@ def atomic_open(path: str | os.PathLike, mode: str = "w", encoding: str | None =
         fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path.name), suffix=".tmp", dir=path.parent)
     except OSError as e:
         raise (write_error(path, e) if e.errno in WRITE_ERRNOS else e) from None
-    os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; give the result the permissions open() would
+    os.fchmod(fd, 0o666 & ~umask())  # mkstemp makes 0600; give the result the permissions open() would
     binary = "b" in mode
     try:
         with os.fdopen(fd, mode, encoding=None if binary else encoding) as f:
@@ -235,7 +235,8 @@ def _open_special(path: Path, mode: str, encoding: str | None) -> Iterator[IO]:
         raise
 
 
-def _umask() -> int:
+def umask() -> int:
+    """The process's file-creation mask (read without changing it)."""
     mask = os.umask(0)
     os.umask(mask)
     return mask

@@ -18,22 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import make_data_bin
-from test_faults import TRAIN, attnmt, one_line_error
-
-from attnmt.cli import main
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    return make_data_bin(tmp_path_factory.mktemp("data") / "bin", n_train=64, n_valid=8)
-
-
-@pytest.fixture(scope="module")
-def ckpt(data, tmp_path_factory) -> Path:
-    ck = tmp_path_factory.mktemp("ckpt")
-    main(["train", str(data), *TRAIN, "--save-dir", str(ck), "--max-update", "2"])
-    return ck / "checkpoint_last.pt"
+from test_faults import TRAIN, attnmt, ckpt, data, one_line_error  # noqa: F401 (ckpt, data: the fixtures of test_faults.py)
 
 
 def dead_pid() -> int:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from attnmt.errors import UserError
-from attnmt.fileio import WRITE_ERRNOS, remove_stale_temps, temp_prefix, write_error
+from attnmt.fileio import WRITE_ERRNOS, remove_stale_temps, temp_prefix, umask, write_error
 
 
 def _ctranslate2():
@@ -134,9 +134,7 @@ def export_model(ckpt: dict, output_dir: str | os.PathLike, quantization: str | 
     remove_stale_temps(out.parent, out.name)  # the half-written directories of killed exports
     # written whole beside the target, then renamed into place: a failure (a full disk) leaves the old state
     tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out.name), dir=out.parent))
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(tmp, 0o777 & ~mask)  # a model directory as mkdir would make it (mkdtemp's is private)
+    os.chmod(tmp, 0o777 & ~umask())  # a model directory as mkdir would make it (mkdtemp's is private)
     try:
         try:
             AttnmtConverter().convert(str(tmp), quantization=quantization, force=True)

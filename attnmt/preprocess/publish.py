@@ -11,6 +11,7 @@ from typing import Any
 
 from attnmt.data.textio import ScanResult
 from attnmt.errors import UserError
+from attnmt.fileio import umask
 from attnmt.preprocess.config import FORMAT_VERSION, NEUTRAL_OPTIONS, PreprocessConfig
 from attnmt.preprocess.plan import Split
 
@@ -95,10 +96,9 @@ def check_parallel(split: Split, scans: dict[str, ScanResult], src: str, tgt: st
 
 def publish_dir(tmp: Path, destdir: Path) -> None:
     # temp files are created private (0600/0700); the published data gets the usual umask permissions
-    umask = os.umask(0)
-    os.umask(umask)
+    mask = umask()
     for p in [tmp, *tmp.rglob("*")]:
-        os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
+        os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
     if destdir.exists():
         destdir.rmdir()  # empty (checked before); a non-empty one would make rmdir fail, never lose data
     os.replace(tmp, destdir)
