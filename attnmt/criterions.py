@@ -169,20 +169,22 @@ class _SmoothedNLL(torch.autograd.Function):
                 grad.mul_(weight.to(grad.dtype)[:, None])
         ctx.save_for_backward(grad, target, weight)
         ctx.epsilon = epsilon
+        ctx.set_materialize_grads(False)  # an output not backpropagated gets None: no work, no device sync
         return _sums(lp_y, lp_sum, weight, epsilon, vocab)
 
     @staticmethod
     def backward(ctx, grad_loss, grad_nll):
         grad, target, weight = ctx.saved_tensors
         eps = ctx.epsilon
-        g_loss = float(grad_loss) if grad_loss is not None else 0.0
-        g_nll = float(grad_nll) if grad_nll is not None else 0.0
         # d nll / dx = p - onehot = G + (q - onehot) = G + eps / V - eps onehot, hence
         # d (g_loss loss + g_nll nll) / dx = (g_loss + g_nll) G + g_nll (eps / V - eps onehot)
-        out = grad * (g_loss + g_nll)
-        if g_nll and eps:
-            extra = torch.full_like(out, g_nll * eps / grad.size(1))
-            _add_at_targets(extra, target, -g_nll * eps)
+        # (the incoming gradients stay tensors: reading them on the host would wait for the device)
+        out = grad * _incoming(grad_loss, grad_nll, grad.dtype)
+        if grad_nll is not None and eps:
+            extra = (grad_nll * (eps / grad.size(1))).to(out.dtype).expand_as(out).clone()
+            onehot = torch.zeros_like(extra)
+            _add_at_targets(onehot, target, -eps)
+            extra += onehot * grad_nll.to(out.dtype)
             if weight is not None:
                 extra.mul_(weight.to(extra.dtype)[:, None])
             out += extra
@@ -241,6 +243,7 @@ class _ProjectedSmoothedNLL(torch.autograd.Function):
         ctx.save_for_backward(hc, wc, grad, grad_h, target)
         ctx.epsilon = epsilon
         ctx.dtypes = (h.dtype, weight.dtype)
+        ctx.set_materialize_grads(False)  # an output not backpropagated gets None: no work, no device sync
         return _sums(lp_y, lp_sum, None, epsilon, vocab)
 
     @staticmethod
@@ -248,26 +251,31 @@ class _ProjectedSmoothedNLL(torch.autograd.Function):
         hc, wc, grad, grad_h, target = ctx.saved_tensors
         eps = ctx.epsilon
         h_dtype, w_dtype = ctx.dtypes
-        g_loss = float(grad_loss) if grad_loss is not None else 0.0
-        g_nll = float(grad_nll) if grad_nll is not None else 0.0
-        scale = g_loss + g_nll
+        scale = _incoming(grad_loss, grad_nll, torch.float32)  # a tensor: reading it would wait for the device
         d_h = d_w = None
         with torch.autocast(hc.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
                 d_h = grad_h.float().mul_(scale)
             if ctx.needs_input_grad[1]:
                 d_w = _projection_weight_grad(grad, hc).mul_(scale)
-            if g_nll and eps:
+            if grad_nll is not None and eps:
                 # the nll's own gradient adds g_nll (q - onehot) = g_nll eps (1 / V - onehot) to the logits'
+                g = grad_nll.float() * eps
                 vocab = wc.size(0)
                 if d_h is not None:
-                    d_h += (g_nll * eps) * (wc.float().mean(0) - wc.float()[target])
+                    d_h += g * (wc.float().mean(0) - wc.float()[target])
                 if d_w is not None:
-                    d_w += (g_nll * eps / vocab) * hc.float().sum(0)
-                    d_w.index_add_(0, target, hc.float(), alpha=-g_nll * eps)
+                    d_w += (g / vocab) * hc.float().sum(0)
+                    d_w.index_add_(0, target, hc.float() * -g)
         d_h = d_h.to(h_dtype) if d_h is not None else None
         d_w = d_w.to(w_dtype) if d_w is not None else None
         return d_h, d_w, None, None, None, None, None, None
+
+
+def _incoming(grad_loss: torch.Tensor | None, grad_nll: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``g_loss + g_nll``, the scale of ``G`` in backward, as a 0-dim tensor of ``dtype`` (None counts as 0)."""
+    grads = [g for g in (grad_loss, grad_nll) if g is not None]
+    return sum(grads[1:], grads[0]).to(dtype) if grads else torch.zeros((), dtype=dtype)
 
 
 def _projection_weight_grad(grad: torch.Tensor, h: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,10 @@ backend (cast once to the precision), beam search with the backend's decoding ke
 sentences; each setting is warmed up on a few batches, then the whole set is translated ``--repeats`` times, each
 timed to the GPU's completion; the best time counts. ``--kernels cpu`` runs the search with the CPU backend's
 kernels (blockwise top-k over bf16 bit patterns, bf16 scores): what the GPU ran before its backend chose its own.
-One JSON line per setting with ``--json``. ``--device cpu`` runs it on the CPU (a smoke test of the script).
+One JSON line per setting with ``--json`` (``--hypotheses``: with the translations, to compare two runs).
+``--profile`` prints the GPU-busy share and the kernel-time table of one more pass (``gpu_profile.py``);
+``--as-before`` scores 256 decoder rows at a time, as the search did on a GPU before. ``--device cpu`` runs it on
+the CPU (a smoke test of the script).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -47,6 +51,11 @@ def run(args, precision: str, max_tokens: int) -> dict:
     if args.kernels == "cpu":  # the search as the CPU backend runs it, on this device
         cpu_kernels = DecodingKernels(row_bucket=None, blockwise_topk=True, low_precision_scores=True)
         generator.backend.decoding_kernels = lambda: cpu_kernels
+    if args.as_before:  # the device's kernels, scoring 256 rows at a time as before
+        before = replace(generator.backend.decoding_kernels(), score_rows=256)
+        generator.backend.decoding_kernels = lambda: before
+    if max_tokens == 0:
+        max_tokens = generator.backend.decoding_max_tokens()
     sources, refs = load_data(args, bundle)
     if refs is None:
         sys.exit("give --ref with --src (BLEU and the length ratio need references)")
@@ -60,13 +69,19 @@ def run(args, precision: str, max_tokens: int) -> dict:
         results = list(generator.generate(sources, max_tokens))
         sync(device)
         best = min(best, time.perf_counter() - t)
+    profile = None
+    if args.profile and device.type == "cuda":
+        from gpu_profile import profile_table
+
+        profile = profile_table(lambda: list(generator.generate(sources, max_tokens)), device)
     hyps = [bundle.detokenize(bundle.target_pieces(h[0].tokens)) if h else "" for _, h in results]
     tokens = sum(len(h[0].tokens) for _, h in results if h)
     score = corpus_bleu(hyps, refs)
     return {"precision": precision, "max_tokens": max_tokens, "kernels": args.kernels, "device": str(device),
             "sentences": len(sources), "sentences_per_s": len(sources) / best, "tokens_per_s": tokens / best,
             "best_s": best, "bleu": round(score.score, 2), "length_ratio": round(score.sys_len / score.ref_len, 4),
-            "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
+            "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+            "as_before": args.as_before, "profile": profile, "hypotheses": hyps if args.hypotheses else None}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -78,7 +93,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ref", help="raw references for --src")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--precisions", default="fp32,bf16,fp16")
-    ap.add_argument("--max-tokens", default="4096,16000,32000", help="source tokens per batch, comma-separated")
+    ap.add_argument("--max-tokens", default="4096,16000,32000",
+                    help="source tokens per batch, comma-separated (0: the backend's default)")
     ap.add_argument("--beam", type=int, default=4)
     ap.add_argument("--lenpen", type=float, default=0.6)
     ap.add_argument("--early-stop", choices=("exact", "beam"), default="exact")
@@ -87,6 +103,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=200, help="sentences translated first, untimed")
     ap.add_argument("--limit", type=int, default=0, help="only the first N sentences")
+    ap.add_argument("--as-before", action="store_true", help="score 256 decoder rows at a time, as before the "
+                                                               "CUDA backend scored a whole batch at once")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile one more pass per setting: GPU-busy share and the kernel-time table")
+    ap.add_argument("--hypotheses", action="store_true", help="put the translations in the JSON lines")
     ap.add_argument("--json", action="store_true", help="also print one JSON line per setting")
     args = ap.parse_args(argv)
 
@@ -104,8 +125,10 @@ def main(argv: list[str] | None = None) -> None:
             r = run(args, precision, max_tokens)
             rows.append(r)
             mem = f"{r['peak_mem_gib']:.2f}" if r["peak_mem_gib"] is not None else "-"
-            print(f"{precision:<10} {max_tokens:>10} {r['sentences_per_s']:>9.1f} {r['tokens_per_s']:>10,.0f} "
+            print(f"{precision:<10} {r['max_tokens']:>10} {r['sentences_per_s']:>9.1f} {r['tokens_per_s']:>10,.0f} "
                   f"{mem:>6} {r['bleu']:>6.2f} {r['length_ratio']:>9.3f}", flush=True)
+            if r["profile"]:
+                print(r["profile"], flush=True)
     if args.json:
         for r in rows:
             print(json.dumps(r), flush=True)

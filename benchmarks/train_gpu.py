@@ -24,6 +24,11 @@ the median step); model TFLOP/s (forward + backward multiply-adds x 6, the count
 ``benchmarks/train_throughput.py``) and its share of the measured peak of one large product (8192^3 by default)
 in the run's dtype; peak GPU memory. One JSON line per run follows the table (``--json``). ``--device cpu``
 runs the same measurement on the CPU (a smoke test of the script; the peak is then the CPU's).
+
+``--profile N`` profiles N more updates after the timed ones and prints how busy the GPU was and the kernels'
+time table (``gpu_profile.py``); ``--valid`` reports the valid split's loss after the updates (with ``--lr`` and
+``--warmup-updates`` for a short run that learns); ``--compile`` compiles the layers as ``attnmt train
+--compile`` does; ``--as-before`` runs the GPU path as it was before the CUDA backend's training choices.
 """
 
 from __future__ import annotations
@@ -77,11 +82,19 @@ def run(data_bin: str, arch: str, precision: str, device: torch.device, args) ->
     name, cfg, _ = task.model_config(arch, {})
     model = task.build_model(name, cfg).to(device)
     backend = backend_for(device, precision)
-    backend.prepare_training(model)
+    backend.prepare_training(model, compile=args.compile)
+    if args.as_before:  # the path the GPU ran before its backend chose its own: packed rows, fp32 LayerNorms
+        from attnmt.models.packing import set_row_packing
+
+        set_row_packing(model, True)
+        for m in model.modules():
+            if isinstance(m, torch.nn.LayerNorm):
+                m.__class__ = torch.nn.LayerNorm
     crit = task.build_criterion("label_smoothed_cross_entropy", LabelSmoothedCrossEntropyConfig())
     backend.prepare_criterion(crit)
-    optimizer = build_adam(AdamConfig(), model.parameters(), lr=7e-4)
-    trainer = Trainer(model, crit, optimizer, build_lr_scheduler("inverse_sqrt", InverseSqrtConfig()), device=device,
+    optimizer = build_adam(AdamConfig(), model.parameters(), lr=args.lr)
+    schedule = InverseSqrtConfig(lr=args.lr, warmup_updates=args.warmup_updates)
+    trainer = Trainer(model, crit, optimizer, build_lr_scheduler("inverse_sqrt", schedule), device=device,
                       precision=precision)
     multiple = args.required_seq_len_multiple or backend.length_multiple()
     itr, _ = make_train_iterator(task, TrainConfig(max_tokens=args.max_tokens, seed=args.seed), model.max_positions(),
@@ -100,6 +113,8 @@ def run(data_bin: str, arch: str, precision: str, device: torch.device, args) ->
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     stream = batches()
+    t_start = time.perf_counter()
+    warmup_s = 0.0
     for i in range(args.warmup + args.updates):
         batch, epoch_end = next(stream)
         sync(device)
@@ -108,11 +123,20 @@ def run(data_bin: str, arch: str, precision: str, device: torch.device, args) ->
         if epoch_end and args.save != "none":
             saver.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, ["checkpoint_last.pt"])
         sync(device)
+        if i == args.warmup - 1:
+            warmup_s = time.perf_counter() - t_start  # with --compile: the compiler's time
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
             tokens.append(batch["ntokens"])
             flops.append(model_flops(model, batch))
             epoch_ends += epoch_end
+    profile = None
+    if args.profile and device.type == "cuda":
+        from gpu_profile import profile_table
+
+        profiled = [next(stream)[0] for _ in range(args.profile)]
+        profile = profile_table(lambda: [trainer.train_step([b]) for b in profiled], device)
+    valid = valid_loss(task, trainer, model, args) if args.valid else None
     saver.close()
     for p in save_dir.iterdir():
         p.unlink()
@@ -126,7 +150,21 @@ def run(data_bin: str, arch: str, precision: str, device: torch.device, args) ->
             "updates": len(times), "epoch_ends": epoch_ends, "s_median": median, "s_mean": total / len(times),
             "s_p95": p95, "tok_s": sum(tokens) / total, "tok_s_at_median": statistics.median(tokens) / median,
             "flop_s": sum(flops) / total, "tokens_per_update": sum(tokens) / len(tokens), "peak_mem_gib": peak_mem,
-            "save": args.save, "cudnn_attention": args.cudnn_attention, "length_multiple": multiple}
+            "save": args.save, "cudnn_attention": args.cudnn_attention, "length_multiple": multiple,
+            "warmup_s": warmup_s, "compile": args.compile, "as_before": args.as_before, "valid_loss": valid,
+            "seed": args.seed, "profile": profile}
+
+
+def valid_loss(task, trainer, model, args) -> float:
+    """The label-smoothed loss per target token (base 2, as ``attnmt train`` logs it) on the data-bin's valid
+    split: the validation of ``attnmt train``."""
+    from attnmt.training.config import TrainConfig
+    from attnmt.training.data import make_valid_batches
+    from attnmt.training.metrics import validate
+
+    valid = make_valid_batches(task, TrainConfig(max_tokens=args.max_tokens), "valid", model.max_positions(),
+                               trainer.backend.length_multiple())
+    return validate(trainer, {"valid": valid}, [])["valid"]["loss"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -144,6 +182,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cudnn-attention", action="store_true", help="leave cuDNN's attention kernels on")
     ap.add_argument("--gemm-size", type=int, default=8192)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--compile", action="store_true", help="compile the layers (attnmt train --compile)")
+    ap.add_argument("--as-before", action="store_true",
+                    help="the GPU path before the CUDA backend's training choices: packed decoder rows, fp32 "
+                         "LayerNorm outputs under autocast")
+    ap.add_argument("--lr", type=float, default=7e-4)
+    ap.add_argument("--warmup-updates", type=int, default=4000, help="of the inverse-sqrt schedule")
+    ap.add_argument("--valid", action="store_true", help="report the valid split's loss after the updates")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after the timed updates, profile N more: GPU-busy share and the kernel-time table")
     ap.add_argument("--json", action="store_true", help="also print one JSON line per run")
     args = ap.parse_args(argv)
 
@@ -166,7 +213,8 @@ def main(argv: list[str] | None = None) -> None:
           + ", ".join(f"{p} {peaks[p] / 1e12:.2f} TFLOP/s" for p in precisions)
           + f"; cuDNN attention {'on' if args.cudnn_attention else 'off'}; save {args.save}", file=sys.stderr)
     print(f"{'run':<26} {'s median':>9} {'s mean':>8} {'s p95':>8} {'tgt tok/s':>10} {'at median':>10} "
-          f"{'TFLOP/s':>8} {'% peak':>7} {'GiB':>6} {'epoch ends':>10}", flush=True)
+          f"{'TFLOP/s':>8} {'% peak':>7} {'GiB':>6} {'epoch ends':>10} {'warm-up s':>9}"
+          + (f" {'valid loss':>10}" if args.valid else ""), flush=True)
     rows = []
     for arch in [a.strip() for a in args.archs.split(",") if a.strip()]:
         for p in precisions:
@@ -175,7 +223,10 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(r)
             print(f"{arch + ' ' + p:<26} {r['s_median']:>9.4f} {r['s_mean']:>8.4f} {r['s_p95']:>8.4f} "
                   f"{r['tok_s']:>10,.0f} {r['tok_s_at_median']:>10,.0f} {r['flop_s'] / 1e12:>8.1f} "
-                  f"{100 * r['flop_s'] / peaks[p]:>6.1f}% {r['peak_mem_gib']:>6.1f} {r['epoch_ends']:>10}", flush=True)
+                  f"{100 * r['flop_s'] / peaks[p]:>6.1f}% {r['peak_mem_gib']:>6.1f} {r['epoch_ends']:>10} "
+                  f"{r['warmup_s']:>9.1f}" + (f" {r['valid_loss']:>10.4f}" if args.valid else ""), flush=True)
+            if r["profile"]:
+                print(r["profile"], flush=True)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     if args.json:

@@ -24,6 +24,15 @@ def swap_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module], kinds
     return len(targets)
 
 
+def refuse_compile(compile: bool, device: torch.device) -> None:
+    """``--compile`` is the CUDA backend's: elsewhere a one-line error."""
+    if compile:
+        from attnmt.errors import UserError
+
+        raise UserError(f"--compile compiles the layers for a CUDA GPU; training on {device.type} runs without it "
+                        f"(drop --compile)")
+
+
 class HostStaging:
     """Host memory that a checkpoint's tensors are copied into before a background write, kept from one save to
     the next (the same shapes come back every time); ``pinned``: page-locked, so that copies from a GPU run
@@ -68,9 +77,11 @@ class Backend:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def prepare_training(self, model: nn.Module, attention: str = "auto") -> nn.Module:
+    def prepare_training(self, model: nn.Module, attention: str = "auto", compile: bool = False) -> nn.Module:
         """Make ``model`` (already on the device) train fast here; in place, parameters unchanged. ``attention``:
-        "auto", "math" (plain matmul-softmax-matmul) or "flash" (fused kernels)."""
+        "auto", "math" (plain matmul-softmax-matmul) or "flash" (fused kernels); ``compile``: compile the layers
+        (``--compile``, where the backend does)."""
+        refuse_compile(compile, self.device)
         return model
 
     def prepare_criterion(self, criterion) -> None:

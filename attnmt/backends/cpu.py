@@ -56,7 +56,7 @@ import torch
 from torch import Tensor, nn
 
 from attnmt.backends import capabilities
-from attnmt.backends.base import Backend, DecodingKernels, Mode, swap_linears
+from attnmt.backends.base import Backend, DecodingKernels, Mode, refuse_compile, swap_linears
 from attnmt.backends.onednn import quantize_u8_affine
 from attnmt.errors import UserError
 from attnmt.models.linear import (
@@ -171,7 +171,8 @@ class CpuBackend(Backend):
             raise UserError("--fp16 needs a CUDA GPU; on the CPU use --precision auto")
         self.caps = capabilities.cpu()
 
-    def prepare_training(self, model: nn.Module, attention: str = "auto") -> nn.Module:
+    def prepare_training(self, model: nn.Module, attention: str = "auto", compile: bool = False) -> nn.Module:
+        refuse_compile(compile, self.device)
         limits = {"auto": PLAIN_ATTENTION_MAX_LEN, "math": 1 << 30, "flash": 0}
         if attention not in limits:
             raise ValueError(f"unknown attention choice {attention!r}: use auto, math or flash")

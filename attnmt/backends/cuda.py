@@ -11,11 +11,26 @@ What it decides, once per run:
 * **Length buckets.** Training batches are padded to lengths that are multiples of 8 (fairseq's
   ``--required-seq-len-multiple``, which overrides it): matrix shapes that fill the tensor cores' tiles, and
   a bounded set of shapes for every kernel that specialises on them.
+* **Training path.** Three choices for teacher forcing on a GPU, where what costs is not the products but the
+  many small passes around them:
+
+  - *padded rows*: the decoder runs on the (B, T) grid (``RowPacking`` off): the CPU's packed rows skip the
+    padding's products with a gather and a scatter around every attention, which on a GPU cost more than the
+    padding;
+  - *the residual stream in the autocast dtype*: CUDA autocast runs ``layer_norm`` in fp32 and returns fp32, so
+    after the first LayerNorm the whole stream would be fp32 and every sub-layer would convert it to bf16 and
+    back (a copy per linear layer, each way, forward and backward). :class:`StreamLayerNorm` normalises the bf16
+    stream with its statistics in fp32 inside the kernel and returns bf16, as fairseq's ``--bf16`` does;
+  - ``--compile``: each encoder and decoder layer compiled by ``torch.compile`` (one graph per layer kind, shared
+    by every layer of that kind, lengths dynamic), which fuses the layer norms, dropout, residual additions and
+    casts into a few kernels; compiled graphs are cached on disk by PyTorch (``TORCHINDUCTOR_CACHE_DIR``), and an
+    error in compiling falls back to running the layer as written.
 * **Translation.** The model is cast once to the run's precision (bf16/fp16, no autocast per step); the search
   scores in fp32, attends over the decoder cache with one fused kernel (``scaled_dot_product_attention``)
   and picks the best extensions with one ``topk`` over ``beam x vocabulary`` (the GPU's own kernel), not with
-  the CPU's blockwise scan over bf16 bit patterns (:meth:`decoding_kernels`); batches default to 16,000 source
-  tokens (:meth:`decoding_max_tokens`).
+  the CPU's blockwise scan over bf16 bit patterns (:meth:`decoding_kernels`), all of a batch's rows in one
+  block (each block of a step costs its own few dozen launches); batches default to 16,000 source tokens per
+  20 GiB of GPU memory, up to 64,000 (:meth:`decoding_max_tokens`).
 * **Checkpoint snapshots** go to page-locked host buffers, reused from save to save, so that copying 2.4 GB of
   transformer_big state off the GPU takes a fraction of a second (:meth:`host_staging`).
 """
@@ -25,17 +40,62 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import torch.nn.functional as F
+
 from attnmt.backends.base import Backend, HostStaging, Mode
 from attnmt.errors import UserError
 from attnmt.models.interface import DecodingKernels
 from attnmt.models.linear import set_plain_attention_max_len
+from attnmt.models.packing import set_row_packing
+
+
+SCORE_ROWS = 16384  # decoder rows scored per block: every row of any batch the default --max-tokens makes
+
+
+class StreamLayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` that keeps a bf16/fp16 input in its dtype under autocast (statistics in fp32 inside the
+    kernel); elsewhere exactly ``nn.LayerNorm``. The same parameters, so checkpoints do not change."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype in (torch.bfloat16, torch.float16) and torch.is_autocast_enabled(x.device.type):
+            with torch.autocast(x.device.type, enabled=False):
+                weight = None if self.weight is None else self.weight.to(x.dtype)
+                bias = None if self.bias is None else self.bias.to(x.dtype)
+                return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
+        return super().forward(x)
+
+
+def stream_layer_norms(model: nn.Module) -> int:
+    """Turn every ``nn.LayerNorm`` of ``model`` into a :class:`StreamLayerNorm`, in place; returns how many."""
+    norms = [m for m in model.modules() if type(m) is nn.LayerNorm]
+    for m in norms:
+        m.__class__ = StreamLayerNorm
+    return len(norms)
+
+
+def compile_layers(model: nn.Module) -> int:
+    """``torch.compile`` every encoder and decoder layer of ``model`` in place (lengths and batch dynamic: one
+    graph per layer kind); returns how many. A layer that fails to compile runs as written, with a warning."""
+    import torch._dynamo
+
+    torch._dynamo.config.suppress_errors = True  # fall back to eager, said once per error by PyTorch
+    layers = [layer for stack in ("encoder", "decoder")
+              for layer in getattr(getattr(model, stack, None), "layers", [])]
+    for layer in layers:
+        layer.compile(dynamic=True)
+    return len(layers)
 
 
 class CudaBackend(Backend):
     name = "cuda"
 
-    def prepare_training(self, model: nn.Module, attention: str = "auto") -> nn.Module:
+    def prepare_training(self, model: nn.Module, attention: str = "auto", compile: bool = False) -> nn.Module:
         set_plain_attention_max_len(model, 0)  # SDPA's flash/memory-efficient kernels
+        set_row_packing(model, False)
+        if self.autocast_dtype is not None:
+            stream_layer_norms(model)
+        if compile:
+            compile_layers(model)
         return model
 
     def prepare_inference(self, model: nn.Module, quantize: str = "none") -> nn.Module:
@@ -48,12 +108,15 @@ class CudaBackend(Backend):
         return {"cudnn_attention": False}
 
     def decoding_kernels(self) -> DecodingKernels:
-        return DecodingKernels(row_bucket=None, fused_attention=True, blockwise_topk=False, low_precision_scores=False)
+        return DecodingKernels(row_bucket=None, fused_attention=True, blockwise_topk=False, low_precision_scores=False,
+                               score_rows=SCORE_ROWS)
 
     def decoding_max_tokens(self) -> int:
         # a beam step is bound by launch overhead until the batch has thousands of rows: larger batches fill the
-        # GPU (measured on an H100: 4096 -> 16000 source tokens took the Multi30k model from 10.9k to 14.5k tok/s)
-        return 16000
+        # GPU; 16,000 source tokens for every 20 GiB of GPU memory, up to 64,000 (a transformer_big's fp32 beam-4
+        # cache for 64,000 WMT source tokens is about 40 GB)
+        total = torch.cuda.get_device_properties(self.device).total_memory if torch.cuda.is_available() else 0
+        return 16000 * max(1, min(4, total // (20 * 2**30)))
 
     def length_multiple(self) -> int:
         return 8  # tensor-core tiles; and 8x fewer distinct shapes for the kernels that specialise on them

@@ -251,7 +251,6 @@ def step_log_probs(logits: Tensor, step: int, max_len: Tensor, generated: Tensor
 # --------------------------------------------------------------------------------------- candidate selection
 
 TOPK_BLOCK = 64  # best_extensions scans the vocabulary as blocks of this many tokens
-SCORE_BLOCK_ROWS = 256  # rows projected to the vocabulary at a time (see next_token_extensions)
 
 
 def _block_maxima(x: Tensor, n: int, nonpositive: bool) -> Tensor:
@@ -363,15 +362,17 @@ def next_token_extensions(model, tokens: Tensor, step: int, enc, cache, max_len:
 
     ``tokens`` (R, T): column ``step`` holds each row's newest token; ``max_len`` (R,): per-row limits; ``scores``
     (R,): cumulative log-probabilities; ``beam`` consecutive rows per sentence. The decoder features are
-    projected to the vocabulary (``output_layer``) about ``SCORE_BLOCK_ROWS`` rows (whole sentences) at a time: 400 sentences x beam 4 would otherwise build 60 MB of logits and as much of
-    log-probabilities per step, memory that is mapped afresh and zeroed by the kernel at every step; small
-    blocks are reused and stay in cache. Each sentence's numbers are the same either way. ``kernels``: the
-    backend's row padding, candidate selection and score precision (``Backend.decoding_kernels``).
+    projected to the vocabulary (``output_layer``) about ``kernels.score_rows`` rows (whole sentences) at a time:
+    on a CPU, 400 sentences x beam 4 would otherwise build 60 MB of logits and as much of log-probabilities per
+    step, memory that is mapped afresh and zeroed by the kernel at every step, while small blocks are reused and
+    stay in cache; a GPU takes the whole batch at once. Each sentence's numbers are the same either way.
+    ``kernels``: the backend's row padding, score blocks, candidate selection and score precision
+    (``Backend.decoding_kernels``).
     """
     per = 1 if step == 0 else beam  # the first step decodes one row per sentence: its hypotheses start alike
     prev = tokens[::beam // per, step:step + 1]
     feats = model.decode_features(prev, enc, cache)[:, -1]  # (R or A, D)
-    rows = max(1, SCORE_BLOCK_ROWS // beam) * per
+    rows = max(1, kernels.score_rows // beam) * per
     bias = None
     parts = []
     for a in range(0, feats.size(0), rows):

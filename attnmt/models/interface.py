@@ -134,9 +134,13 @@ class DecodingKernels:
     a kernel for one-token steps (:class:`StepAttention`; the CPU's compiled one), used where it ``supports`` the
     queries; the matmul or fused form otherwise. ``scores``: a :class:`ScoreKernel` for the blockwise selection
     (the CPU's compiled one), used where it ``supports`` the logits; ``log_softmax`` and block maxima otherwise.
+    ``score_rows``: about how many rows a step projects to the vocabulary and scores at a time (whole sentences):
+    few on a CPU, so that the logits stay in cache and their memory is reused; on a GPU all the batch's at once,
+    where every block costs its own few dozen kernel launches. Each sentence's numbers are the same either way.
     """
 
     row_bucket: RowBucket | None = None
+    score_rows: int = 256
     fused_attention: bool = False
     step_attention: StepAttention | None = None
     scores: ScoreKernel | None = None

@@ -81,6 +81,21 @@ class _ScatterRows(torch.autograd.Function):
         return grad.index_select(0, index), None, None
 
 
+class RowPacking:
+    """Mixin of decoders that can run teacher forcing on packed rows (:class:`PackedRows`); the backend chooses
+    (:func:`set_row_packing`): on a CPU the padding's products cost more than the gathers and scatters that skip
+    them, on a GPU the other way round (there a padded row costs little next to a kernel launch and a scatter)."""
+
+    pack_rows: bool = True
+
+
+def set_row_packing(model: torch.nn.Module, on: bool) -> None:
+    """Choose whether every decoder of ``model`` packs its rows in teacher forcing."""
+    for m in model.modules():
+        if isinstance(m, RowPacking):
+            m.pack_rows = on
+
+
 def is_prefix(mask: Tensor) -> bool:
     """Whether every row of the bool ``mask`` (B, T) is True up to some length and False after it."""
     lengths = mask.sum(dim=1, keepdim=True)

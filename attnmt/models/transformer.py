@@ -41,7 +41,7 @@ from attnmt.models.dropout import dropout as dropout_weights
 from attnmt.models.incremental import SlotCache
 from attnmt.models.interface import DecoderCache, DecodingKernels, EncoderDecoderModel, LayerCache, TrainingAttention
 from attnmt.models.linear import AttentionKernel, DropoutKernel, Linear
-from attnmt.models.packing import PackedRows, SentenceRows, is_prefix
+from attnmt.models.packing import PackedRows, RowPacking, SentenceRows, is_prefix
 from attnmt.registry import register, register_arch
 
 # ------------------------------------------------------------------------------------------------ config
@@ -614,7 +614,7 @@ class TransformerEncoder(nn.Module):
         return EncoderOut(out=x, padding_mask=padding_mask)
 
 
-class TransformerDecoder(nn.Module):
+class TransformerDecoder(RowPacking, nn.Module):
     """Embeddings + N decoder layers (3.1) + the pre-softmax linear projection (3.4)."""
 
     def __init__(self, cfg: TransformerConfig, embed: InputEmbedding, output_projection: nn.Linear):
@@ -630,14 +630,15 @@ class TransformerDecoder(nn.Module):
         ``features_only``, the last layer's output (B, T, D) or (N, D) before the output projection.
 
         Teacher forcing with an ``output_mask`` that keeps a prefix of each sentence (the targets' padding on the
-        right) runs the layers on the kept positions only (``models/packing.py``): the same outputs, without
-        computing the padding."""
+        right) runs the layers on the kept positions only (``models/packing.py``) where the backend chose packed
+        rows (``RowPacking``): the same outputs, without computing the padding."""
         start = 0 if cache is None else cache.length
         x = self.embed(prev_output_tokens, start)  # (B, T, D)
         rows = None
         if cache is None:
             memory_mask = key_padding_mask(enc.padding_mask)  # (B, 1, 1, S) or None
-            if output_mask is not None and not bool(output_mask.all()) and is_prefix(output_mask):
+            if (output_mask is not None and self.pack_rows and not bool(output_mask.all())
+                    and is_prefix(output_mask)):
                 rows = PackedRows(output_mask)
                 x = rows.pack(x)  # (N, D)
         else:  # the cache's masks; x padded to the backend's row bucket

@@ -48,6 +48,9 @@ class TrainConfig:
     cpu_attention: Literal["auto", "math", "flash"] = field(default="auto", metadata={
         "help": "attention kernel on CPU: math (matmul-softmax-matmul, fastest for sentences up to ~256 tokens), "
                 "flash (fused, faster for long sequences) or auto (math up to 256 tokens, flash beyond)"})
+    compile: bool = field(default=False, metadata={
+        "help": "CUDA: compile each encoder and decoder layer with torch.compile (fuses the passes around the "
+                "products; the first updates wait for the compiler)"})
     # checkpoints
     save_dir: str = field(default="checkpoints", metadata={"help": "directory for checkpoints and train.jsonl"})
     save_interval: int = field(default=1, metadata={"help": "save an epoch checkpoint every N epochs"})

@@ -104,7 +104,7 @@ def _train(data_bin, setup: Setup, cfg: TrainConfig, extra_validators, dist_cfg:
     model_name, model_cfg, notes = task.model_config(setup.arch, setup.model_overrides)
     model = task.build_model(model_name, model_cfg).to(device)
     backend = backend_for(device, precision)
-    backend.prepare_training(model, cfg.cpu_attention)  # before the optimizer and DDP see the modules
+    backend.prepare_training(model, cfg.cpu_attention, cfg.compile)  # before the optimizer and DDP see the modules
     if cfg.world_size > 1:  # every rank built the same weights; from here on each draws its own dropout masks
         torch.manual_seed(cfg.seed + cfg.rank)
     criterion = task.build_criterion(setup.criterion, setup.criterion_cfg)

@@ -132,6 +132,39 @@ def test_cpu_training_draws_dropout_masks_from_random_bits_and_cuda_keeps_f_drop
     assert all(m.random_bit_dropout for m in sites)
 
 
+def test_cuda_training_pads_decoder_rows_and_keeps_the_stream_in_bf16_with_the_same_parameters():
+    """The CUDA backend's training choices, made on modules alone (no GPU needed): no packed rows, LayerNorms
+    that keep a bf16 stream bf16 (statistics in fp32), the same state dict; fp32 training keeps nn.LayerNorm."""
+    from attnmt.backends.cuda import CudaBackend, StreamLayerNorm
+
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    CudaBackend(torch.device("cuda"), "fp32").prepare_training(model)
+    assert not model.decoder.pack_rows and not any(isinstance(m, StreamLayerNorm) for m in model.modules())
+    CudaBackend(torch.device("cuda"), "bf16").prepare_training(model)
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]
+    assert norms and all(type(m) is StreamLayerNorm for m in norms)
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+    norm = norms[0]
+    with torch.no_grad():
+        norm.weight.normal_()
+        norm.bias.normal_()
+    x = torch.randn(5, 7, norm.normalized_shape[0]) * 3 + 1
+    ref = F.layer_norm(x.bfloat16().float(), norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+    assert torch.equal(norm(x), F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = norm(x.bfloat16())
+    assert low.dtype == torch.bfloat16
+    assert (low.float() - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+def test_compile_is_a_one_line_error_off_cuda():
+    with pytest.raises(UserError, match="--compile .* CUDA"):
+        CpuBackend(CPU, "fp32").prepare_training(_model(), compile=True)
+
+
 def test_plain_and_fused_attention_kernels_give_the_same_model_output():
     model = _model().eval()
     src, lengths, prev = _inputs()

@@ -124,7 +124,8 @@ def test_batch_invariance_and_input_order(ckpt, beam):
 @pytest.mark.parametrize("beam", [1, 4])
 def test_the_gpus_decoding_kernels_give_the_cpus_translations(ckpt, beam):
     """One topk over beam x vocabulary in fp32 and the fused attention over the cache (the CUDA backend's choices)
-    give the CPU's hypotheses and scores in fp32; so do the row padding and the default kernels of the search."""
+    give the CPU's hypotheses and scores in fp32; so do the row padding, the default kernels of the search and
+    scoring one sentence's rows at a time instead of the whole batch's."""
     import dataclasses
 
     from attnmt.backends.base import Backend, DecodingKernels
@@ -134,13 +135,15 @@ def test_the_gpus_decoding_kernels_give_the_cpus_translations(ckpt, beam):
 
     gpu = CudaBackend(torch.device("cuda")).decoding_kernels()
     assert not gpu.blockwise_topk and not gpu.low_precision_scores and gpu.row_bucket is None and gpu.fused_attention
-    assert Backend(torch.device("meta")).decoding_kernels() == dataclasses.replace(gpu, fused_attention=False)
+    assert gpu.score_rows > 10000  # a whole batch scored at once
+    assert Backend(torch.device("meta")).decoding_kernels() == dataclasses.replace(gpu, fused_attention=False,
+                                                                                   score_rows=256)
     bundle, gen = _load(ckpt, beam=beam, nbest=beam, lenpen=0.6)
     tokens, lengths = collate(bundle.encode_sources(SENTENCES), bundle.symbols.pad, torch.device("cpu"))
     cpu = gen.backend.decoding_kernels()
     assert cpu.blockwise_topk and cpu.row_bucket is not None
     results = [search(bundle.model, tokens, lengths, gen.search_cfg, bundle.symbols, kernels=k)
-               for k in (cpu, gpu, DecodingKernels())]
+               for k in (cpu, gpu, DecodingKernels(), dataclasses.replace(gpu, score_rows=beam))]  # 1 sentence a block
     for other in results[1:]:
         assert [[x.tokens for x in h] for h in other] == [[x.tokens for x in h] for h in results[0]]
         for h, g in zip(other, results[0]):

@@ -160,3 +160,29 @@ def test_packed_rows_split_and_merge_heads_are_the_padded_layout_and_adjoint():
     (do,) = torch.autograd.grad((rows.merge_heads(o) * gm).sum(), o)
     assert torch.allclose((do * o.detach()).sum(), (rows.merge_heads(o.detach()) * gm).sum())
     assert torch.equal(do.transpose(1, 2)[~keep], torch.zeros(int((~keep).sum()), H, Dh, dtype=torch.float64))
+
+
+def test_padded_rows_where_the_backend_chooses_them_give_the_packed_loss_and_gradients():
+    """With row packing off (the CUDA backend's choice) teacher forcing runs on the (B, T) grid and gives the
+    packed path's loss and gradients."""
+    import attnmt.models.packing as packing
+
+    model = small_model().double().eval()
+    b = small_batch()
+    net = b["net_input"]
+    keep = b["target"].ne(PAD)
+    weights = torch.randn(int(keep.sum()), 50, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    packed_loss, packed_grads = _loss_and_grads(model, net, keep, weights)
+
+    packing.set_row_packing(model, False)
+    made = []
+    original = packing.PackedRows.__init__
+    packing.PackedRows.__init__ = lambda self, mask: made.append(mask) or original(self, mask)
+    try:
+        loss, grads = _loss_and_grads(model, net, keep, weights)
+    finally:
+        packing.PackedRows.__init__ = original
+    assert made == []
+    assert torch.allclose(loss, packed_loss, rtol=1e-12)
+    for name, g in grads.items():
+        assert torch.allclose(g, packed_grads[name], rtol=1e-9, atol=1e-12), name
