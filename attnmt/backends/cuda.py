@@ -38,16 +38,14 @@ What it decides, once per run:
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 import torch.nn.functional as F
+from torch import nn
 
 from attnmt.backends.base import Backend, HostStaging, Mode
 from attnmt.errors import UserError
 from attnmt.models.interface import DecodingKernels
 from attnmt.models.linear import set_plain_attention_max_len
 from attnmt.models.packing import set_row_packing
-
 
 SCORE_ROWS = 16384  # decoder rows scored per block: every row of any batch the default --max-tokens makes
 
