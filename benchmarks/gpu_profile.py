@@ -28,11 +28,17 @@ def profile_table(work: Callable[[], None], device: torch.device, rows: int = 18
     total ms, share of kernel time, mean us), and the operators that launched the most kernel time."""
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize(device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    cuda = device.type == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    sync()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         t0 = time.perf_counter()
         work()
-        torch.cuda.synchronize(device)
+        sync()
         wall_us = (time.perf_counter() - t0) * 1e6
     kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     ops: dict[str, float] = defaultdict(float)
@@ -45,7 +51,7 @@ def profile_table(work: Callable[[], None], device: torch.device, rows: int = 18
             kernels[e.key][1] += us
         else:
             ops[e.key] += us
-    busy = sum(v[1] for v in kernels.values())
+    busy = sum(v[1] for v in kernels.values()) or float("nan")  # nan: no kernel ran (no GPU)
     lines = [f"wall {wall_us / 1e3:.1f} ms, GPU kernels {busy / 1e3:.1f} ms: GPU busy {100 * busy / wall_us:.1f}%",
              f"{'kernel':<70} {'calls':>7} {'ms':>8} {'share':>6} {'mean us':>8}"]
     for name, (count, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:rows]:

@@ -14,12 +14,12 @@ def test_gpu_training_benchmark_runs_on_the_cpu_with_epoch_end_saves(tmp_path):
     data = make_data_bin(tmp_path / "bin", n_train=60)
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_gpu.py"), str(data), "--device", "cpu",
                         "--archs", "transformer_small", "--precisions", "fp32", "--max-tokens", "256", "--updates", "6",
-                        "--warmup", "1", "--gemm-size", "128", "--valid", "--as-before", "--json"], capture_output=True,
+                        "--warmup", "1", "--gemm-size", "128", "--valid", "--as-before", "--profile", "1", "--json"], capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     row = json.loads(r.stdout.strip().splitlines()[-1])
     assert row["updates"] == 6 and row["epoch_ends"] >= 1 and row["save"] == "background"
-    assert 0 < row["valid_loss"] < 20 and row["as_before"] and row["warmup_s"] > 0
+    assert 0 < row["valid_loss"] < 20 and row["as_before"] and row["warmup_s"] > 0 and "busy" in row["profile"]
     assert row["s_median"] > 0 and row["tok_s"] > 0 and 0 < row["flop_s"] < 10 * row["peak_flop_s"]
 
 

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# One whole GPU measurement, before and after, for a GPU machine without network, from the project's root.
+#
+# Prepare .gpu/ first, on a machine with the data and the package index (data-bins binarized there):
+#   mkdir -p .gpu/whl .gpu/data && git archive BEFORE_COMMIT --prefix=before/ | tar -x -C .gpu
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_17_x86_64 -d .gpu/whl sacremoses==0.1.1
+#   WMT: newstest2014 x10 as train, its first 500 lines as valid, SentencePiece 16k joined -> .gpu/data/wmt-bin
+#   Multi30k: train/val/test_2016_flickr, SentencePiece 8k joined -> .gpu/data/m30k-bin; its German test -> .gpu/data/test.de
+# Then: bash benchmarks/gpu_check.sh (results under $OUT). STEPS chooses the parts (default: all, in this order).
+set -u
+OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+R=$(pwd); G=$R/.gpu
+STEPS=${STEPS:-train generate valid compile tests}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site $G/whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site
+# the checkout (after) and the tree before, each with cli/ placed as attnmt/cli (no install)
+rm -rf /tmp/after /tmp/before && mkdir -p /tmp/after
+tar --exclude=.gpu --exclude=.git --exclude=.venv -cf - . | tar -xf - -C /tmp/after && cp -r /tmp/after/cli /tmp/after/attnmt/cli
+cp -r $G/before /tmp/before && cp -r /tmp/before/cli /tmp/before/attnmt/cli
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch; print('torch', torch.__version__)"
+T0=$(date +%s); t() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
+W=$G/data/wmt-bin; M=$G/data/m30k-bin
+tg() { local tree=$1 limit=$2; shift 2; (cd /tmp/$tree && PYTHONPATH=/tmp/site:/tmp/$tree timeout $limit python3 benchmarks/train_gpu.py "$@" 2>&1); }
+gg() { local tree=$1 limit=$2; shift 2; (cd /tmp/$tree && PYTHONPATH=/tmp/site:/tmp/$tree timeout $limit python3 benchmarks/generate_gpu.py "$@" 2>&1); }
+A="python3 -m attnmt.cli"
+has() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
+
+if has train; then
+  echo "== train: before"; tg before 120 $W --archs transformer_big,transformer --precisions bf16 --updates 40 --warmup 10 --json | tee $OUT/train_before.txt | grep -v '^{'
+  echo "== train: after"; tg after 150 $W --archs transformer_big,transformer --precisions bf16 --updates 40 --warmup 10 --profile 3 --json | tee $OUT/train_after.txt | grep -v '^{'
+  t train done
+fi
+if has generate; then
+  (cd /tmp/after && PYTHONPATH=/tmp/site:/tmp/after timeout 170 $A train $M --arch transformer_small --precision auto --max-tokens 4096 \
+    --lr 2e-3 --warmup-updates 500 --max-update 2500 --save-dir /tmp/cks --disable-validation --no-epoch-checkpoints \
+    --progress simple > $OUT/small.log 2>&1); tail -1 $OUT/small.log
+  echo "== generate: before"; gg before 100 --path /tmp/cks/checkpoint_last.pt --data-bin $M --gen-subset test --precisions fp32,bf16 --max-tokens 16000 --repeats 2 --json | tee $OUT/generate_before.txt | grep -v '^{'
+  echo "== generate: after"; gg after 150 --path /tmp/cks/checkpoint_last.pt --data-bin $M --gen-subset test --precisions fp32,bf16 --max-tokens 16000,0 --repeats 2 --profile --hypotheses --json > $OUT/generate_after.txt; grep -v '^{' $OUT/generate_after.txt
+  python3 - $OUT/generate_after.txt <<'EOF'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+fp32 = [r for r in rows if r["precision"] == "fp32"]
+if len(fp32) >= 2:
+    a, b = fp32[0]["hypotheses"], fp32[-1]["hypotheses"]
+    print(f"fp32 hypotheses identical at max tokens {fp32[0]['max_tokens']} and {fp32[-1]['max_tokens']}: "
+          f"{sum(x == y for x, y in zip(a, b))}/{len(a)}")
+EOF
+  (cd /tmp/after && time PYTHONPATH=/tmp/site:/tmp/after $A generate $M --path /tmp/cks/checkpoint_last.pt --gen-subset test > /tmp/h.de 2> /tmp/g.log) 2>&1 | grep real
+  tail -1 /tmp/g.log | cut -c1-200
+  (cd /tmp/after && PYTHONPATH=/tmp/site:/tmp/after $A score --ref $G/data/test.de --sys /tmp/h.de | tail -1 | cut -c1-100)
+  t generate done
+fi
+if has valid; then
+  echo "== valid loss after 200 updates of transformer bf16 (lr 1e-3, 100 warm-up), seeds 1 and 2 as before, 1 after"
+  for s in "--as-before --seed 1" "--as-before --seed 2" "--seed 1"; do
+    tg after 90 $W --archs transformer --precisions bf16 --updates 200 --warmup 0 --lr 1e-3 --warmup-updates 100 --valid --save none $s --json | tee -a $OUT/valid.txt | grep -v '^{' | tail -1
+  done
+  t valid done
+fi
+if has compile; then
+  echo "== train: after, --compile"; tg after 240 $W --archs ${COMPILE_ARCHS:-transformer_big} --precisions bf16 --updates 40 --warmup 10 --compile --profile 3 --json | tee $OUT/train_compile.txt | grep -v '^{'
+  t compile done
+fi
+if has tests; then
+  (cd /tmp/after && PYTHONPATH=/tmp/site:/tmp/after timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -6)
+  t tests done
+fi
