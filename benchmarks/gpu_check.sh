@@ -29,8 +29,8 @@ A="python3 -m attnmt.cli"
 has() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 
 if has train; then
-  echo "== train: before"; tg before 120 $W --archs transformer_big,transformer --precisions bf16 --updates 40 --warmup 10 --json | tee $OUT/train_before.txt | grep -v '^{'
-  echo "== train: after"; tg after 150 $W --archs transformer_big,transformer --precisions bf16 --updates 40 --warmup 10 --profile 3 --json | tee $OUT/train_after.txt | grep -v '^{'
+  echo "== train: before"; tg before 120 $W --archs transformer_big,transformer --precisions bf16 --updates 100 --warmup 10 --json | tee $OUT/train_before.txt | grep -v '^{'
+  echo "== train: after"; tg after 150 $W --archs transformer_big,transformer --precisions bf16 --updates 100 --warmup 10 --profile 3 --json | tee $OUT/train_after.txt | grep -v '^{'
   t train done
 fi
 if has generate; then
@@ -61,7 +61,7 @@ if has valid; then
   t valid done
 fi
 if has compile; then
-  echo "== train: after, --compile"; tg after 240 $W --archs ${COMPILE_ARCHS:-transformer_big} --precisions bf16 --updates 40 --warmup 10 --compile --profile 3 --json | tee $OUT/train_compile.txt | grep -v '^{'
+  echo "== train: after, --compile"; tg after 240 $W --archs ${COMPILE_ARCHS:-transformer_big} --precisions bf16 --updates 100 --warmup 10 --compile --profile 3 --json | tee $OUT/train_compile.txt | grep -v '^{'
   t compile done
 fi
 if has tests; then

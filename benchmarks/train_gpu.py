@@ -115,13 +115,18 @@ def run(data_bin: str, arch: str, precision: str, device: torch.device, args) ->
     stream = batches()
     t_start = time.perf_counter()
     warmup_s = 0.0
+    save_s: list[float] = []
     for i in range(args.warmup + args.updates):
         batch, epoch_end = next(stream)
         sync(device)
         t0 = time.perf_counter()
         trainer.train_step([batch])
         if epoch_end and args.save != "none":
+            sync(device)
+            t_save = time.perf_counter()
             saver.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, ["checkpoint_last.pt"])
+            sync(device)
+            save_s.append(time.perf_counter() - t_save)  # the step's share waiting for the snapshot
         sync(device)
         if i == args.warmup - 1:
             warmup_s = time.perf_counter() - t_start  # with --compile: the compiler's time
@@ -155,7 +160,7 @@ def run(data_bin: str, arch: str, precision: str, device: torch.device, args) ->
             "flop_s": sum(flops) / total, "tokens_per_update": sum(tokens) / len(tokens), "peak_mem_gib": peak_mem,
             "save": args.save, "cudnn_attention": args.cudnn_attention, "length_multiple": multiple,
             "warmup_s": warmup_s, "compile": args.compile, "as_before": args.as_before, "valid_loss": valid,
-            "seed": args.seed, "profile": profile}
+            "seed": args.seed, "profile": profile, "save_s": save_s}
 
 
 def valid_loss(task, trainer, model, args) -> float:

@@ -22,7 +22,7 @@ What it decides, once per run:
     back (a copy per linear layer, each way, forward and backward). :class:`StreamLayerNorm` normalises the bf16
     stream with its statistics in fp32 inside the kernel and returns bf16, as fairseq's ``--bf16`` does;
   - ``--compile``: each encoder and decoder layer compiled by ``torch.compile`` (one graph per layer kind, shared
-    by every layer of that kind, lengths dynamic), which fuses the layer norms, dropout, residual additions and
+    by every layer of that kind, lengths dynamic, a padding mask always given), which fuses the layer norms, dropout, residual additions and
     casts into a few kernels; compiled graphs are cached on disk by PyTorch (``TORCHINDUCTOR_CACHE_DIR``), and an
     error in compiling falls back to running the layer as written.
 * **Translation.** The model is cast once to the run's precision (bf16/fp16, no autocast per step); the search
@@ -77,8 +77,11 @@ def compile_layers(model: nn.Module) -> int:
     import torch._dynamo
 
     torch._dynamo.config.suppress_errors = True  # fall back to eager, said once per error by PyTorch
-    layers = [layer for stack in ("encoder", "decoder")
-              for layer in getattr(getattr(model, stack, None), "layers", [])]
+    layers = []
+    for stack in (getattr(model, "encoder", None), getattr(model, "decoder", None)):
+        if stack is not None and hasattr(stack, "layers"):
+            stack.always_mask = True  # a mask argument of one kind: no second graph for unpadded batches
+            layers.extend(stack.layers)
     for layer in layers:
         layer.compile(dynamic=True)
     return len(layers)

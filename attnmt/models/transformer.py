@@ -297,13 +297,14 @@ def linear(in_features: int, out_features: int, bias: bool = True) -> Linear:
 # ------------------------------------------------------------------------------------------ 3.2 attention
 
 
-def key_padding_mask(padding_mask: Tensor) -> Tensor | None:
-    """(B, S) True=pad -> boolean attention mask (B, 1, 1, S) True=attend, or None when nothing is padded.
+def key_padding_mask(padding_mask: Tensor, always: bool = False) -> Tensor | None:
+    """(B, S) True=pad -> boolean attention mask (B, 1, 1, S) True=attend, or None when nothing is padded (a mask
+    all the same with ``always``: compiled layers then see one kind of argument).
 
     A sentence with no real token at all would leave every key masked, and softmax over nothing is NaN; such
     rows attend to everything instead (their output is meaningless but finite, and nothing real depends on it).
     """
-    if not padding_mask.any():
+    if not always and not padding_mask.any():
         return None  # lets SDPA pick its fastest kernel
     attend = ~padding_mask | padding_mask.all(dim=1, keepdim=True)  # (B, S)
     return attend[:, None, None, :]  # (B, 1, 1, S): broadcast over heads and queries
@@ -597,6 +598,8 @@ class DecoderLayer(nn.Module):
 class TransformerEncoder(nn.Module):
     """Embeddings + N encoder layers (3.1); pre-norm adds a final LayerNorm."""
 
+    always_mask = False  # pass a padding mask even when nothing is padded (set for compiled layers)
+
     def __init__(self, cfg: TransformerConfig, embed: InputEmbedding):
         super().__init__()
         self.embed = embed
@@ -605,7 +608,7 @@ class TransformerEncoder(nn.Module):
 
     def forward(self, src_tokens: Tensor) -> EncoderOut:  # (B, S)
         padding_mask = src_tokens.eq(self.embed.pad_idx)  # (B, S)
-        mask = key_padding_mask(padding_mask)  # (B, 1, 1, S) or None
+        mask = key_padding_mask(padding_mask, self.always_mask)  # (B, 1, 1, S) or None
         x = self.embed(src_tokens)  # (B, S, D)
         for layer in self.layers:
             x = layer(x, mask)
@@ -616,6 +619,8 @@ class TransformerEncoder(nn.Module):
 
 class TransformerDecoder(RowPacking, nn.Module):
     """Embeddings + N decoder layers (3.1) + the pre-softmax linear projection (3.4)."""
+
+    always_mask = False  # in teacher forcing, a memory mask even when nothing is padded (for compiled layers)
 
     def __init__(self, cfg: TransformerConfig, embed: InputEmbedding, output_projection: nn.Linear):
         super().__init__()
@@ -636,7 +641,7 @@ class TransformerDecoder(RowPacking, nn.Module):
         x = self.embed(prev_output_tokens, start)  # (B, T, D)
         rows = None
         if cache is None:
-            memory_mask = key_padding_mask(enc.padding_mask)  # (B, 1, 1, S) or None
+            memory_mask = key_padding_mask(enc.padding_mask, self.always_mask)  # (B, 1, 1, S) or None
             if (output_mask is not None and self.pack_rows and not bool(output_mask.all())
                     and is_prefix(output_mask)):
                 rows = PackedRows(output_mask)
