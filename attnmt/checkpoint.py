@@ -42,7 +42,7 @@ LAST = "checkpoint_last.pt"
 BEST = "checkpoint_best.pt"
 EPOCH_PATTERN = re.compile(r"^checkpoint(\d+)\.pt$")  # checkpoint{epoch}.pt
 UPDATE_PATTERN = re.compile(r"^checkpoint_(\d+)_(\d+)\.pt$")  # checkpoint_{epoch}_{updates}.pt
-BEST_N_PATTERN = re.compile(r"^checkpoint\.best_([a-z_]+)_(-?[\d.]+)\.pt$")  # --keep-best-checkpoints (fairseq's)
+BEST_N_PATTERN = re.compile(r"^checkpoint\.best_([a-z_]+)_(-?[\d.]+)(?:_(\d+))?\.pt$")  # --keep-best-checkpoints
 BUNDLE_FILE = "model.pt"  # a model directory's checkpoint (``--path DIR``)
 
 
@@ -50,9 +50,11 @@ def epoch_name(epoch: int) -> str:
     return f"checkpoint{epoch}.pt"
 
 
-def best_n_name(metric: str, value: float) -> str:
-    """The name of one of the ``--keep-best-checkpoints`` N best (fairseq's)."""
-    return f"checkpoint.best_{metric}_{value:.2f}.pt"
+def best_n_name(metric: str, value: float, num_updates: int) -> str:
+    """The name of one of the ``--keep-best-checkpoints`` N best: fairseq's ``checkpoint.best_METRIC_VALUE.pt``
+    with the value to 6 decimals and the update count after it, so that a later checkpoint whose value rounds
+    alike never replaces an earlier, better one."""
+    return f"checkpoint.best_{metric}_{value:.6f}_{num_updates}.pt"
 
 
 def interval_name(epoch: int, num_updates: int) -> str:

@@ -87,16 +87,16 @@ def writable(cfg: TrainConfig, names: list[str]) -> list[str]:
 
 
 def after_validation(cfg: TrainConfig, d: Decision, improved: bool, bad_validations: int,
-                     value: float | None = None) -> Decision:
-    """The decision once validation ran (``value``: the --best-checkpoint-metric's): save the new best, and a
-    candidate for the N best; stop when ``--patience`` ran out."""
+                     value: float | None = None, num_updates: int = 0) -> Decision:
+    """The decision once validation ran (``value``: the --best-checkpoint-metric's, after ``num_updates``): save
+    the new best, and a candidate for the N best; stop when ``--patience`` ran out."""
     names, stop = list(d.save), d.stop
     if improved:
         names = [BEST, *names]
         if LAST not in names:
             names.append(LAST)
     if cfg.keep_best_checkpoints > 0 and value is not None:
-        names.append(best_n_name(cfg.best_checkpoint_metric, value))
+        names.append(best_n_name(cfg.best_checkpoint_metric, value, num_updates))
     if cfg.patience > 0 and bad_validations >= cfg.patience and stop is None:
         stop = "patience"
         if LAST not in names:

@@ -292,7 +292,7 @@ def _run(trainer: Trainer, task, setup: Setup, cfg: TrainConfig, model_name: str
                     for k, text in samples.items():
                         log.info(f"valid on '{split}' | example {k.split('_')[1]}: {text}")
                 decision = decisions.after_validation(cfg, decision, improved, best.bad_validations,
-                                                      first[best.metric])
+                                                      first[best.metric], n)
                 if decision.stop == "patience":
                     log.info(f"early stop: {best.metric} has not improved for {cfg.patience} validations")
             stop, names = decision.stop, decision.save

@@ -183,8 +183,18 @@ def test_checkpoint_options_keep_best_no_last_no_save_and_restore_file(bpe_model
     names = sorted(p.name for p in a.glob("*.pt"))
     best_n = [n for n in names if n.startswith("checkpoint.best_loss_")]
     assert "checkpoint_last.pt" not in names and 1 <= len(best_n) <= 2, names
-    values = sorted(float(n[len("checkpoint.best_loss_"):-3]) for n in best_n)
-    assert values[0] == pytest.approx(min(values))
+    from attnmt.checkpoint import BEST_N_PATTERN
+
+    parsed = [BEST_N_PATTERN.match(n) for n in best_n]
+    assert all(m and m.group(1) == "loss" and m.group(3) for m in parsed), best_n  # value and update count
+    # the kept ones are the 2 lowest losses of all validations (train.jsonl), each under its own update's name
+    import json
+
+    valid = [json.loads(line) for line in (a / "train.jsonl").read_text().splitlines()]
+    valid = sorted((r["loss"], r["num_updates"]) for r in valid if r.get("type") == "valid")
+    kept = sorted((float(m.group(2)), int(m.group(3))) for m in parsed)
+    assert [u for _, u in kept] == [u for _, u in valid[: len(kept)]]
+    assert all(abs(v - loss) < 1e-6 for (v, _), (loss, _) in zip(kept, valid))
     code, _, err = run([*base, "--save-dir", str(tmp_path / "none"), "--max-update", "2", "--no-save"])
     assert code == 0 and not list((tmp_path / "none").glob("*.pt")), err
     # --restore-file: another run's state, continued in a new directory
