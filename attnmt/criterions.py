@@ -281,7 +281,7 @@ def _incoming(grad_loss: torch.Tensor | None, grad_nll: torch.Tensor | None, dty
 def _projection_weight_grad(grad: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """``G^T h`` (V, D) in fp32 for G (N, V) and h (N, D), in the layout each dtype's product runs fastest: fp32
     (MKL) reads G transposed as it is; bf16 (oneDNN) is faster as ``(h^T G)^T`` with h^T made contiguous
-    (1.2x and 0.85x of the other layout on the Multi30k model's shapes, docs/results.md)."""
+    (measured in docs/experiments.md)."""
     if grad.dtype == torch.float32:
         return torch.mm(grad.t(), h)
     d_w = torch.empty(grad.size(1), h.size(1), dtype=torch.float32, device=h.device)

@@ -17,7 +17,7 @@
 * blockmax:  the maxima of 64-token blocks of bf16 log-probabilities: ``amax`` against the integer scan on the
              bit patterns (generation/search.py ``_block_maxima``).
 
-Numbers depend on the CPU (say which: ``lscpu``) and the torch version; docs/results.md keeps those measured.
+Numbers depend on the CPU (say which: ``lscpu``) and the torch version; docs/experiments.md keeps those measured.
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ class CpuCapabilities:
     @property
     def onednn_fp32(self) -> bool:
         """fp32 linear layers run faster through oneDNN than through MKL: on CPUs not made by Intel, where MKL
-        keeps to its AVX2 code (CTranslate2 makes the same choice) (benchmarks/kernel_choices.py; figures per CPU in docs/results.md).
+        keeps to its AVX2 code (CTranslate2 makes the same choice) (benchmarks/kernel_choices.py; figures per CPU in docs/experiments.md).
         ``ATTNMT_CPU_ONEDNN_FP32=0|1`` overrides the choice."""
         if self.onednn_fp32_choice in ("0", "1"):
             return self.onednn and self.onednn_fp32_choice == "1"

@@ -13,7 +13,7 @@ What it decides, once per run (see ``capabilities.py`` for how the CPU is detect
   CPUs not made by Intel, where MKL keeps to AVX2 and oneDNN's AVX-512 kernels win (``capabilities.CpuCapabilities.onednn_fp32``;
   ``ATTNMT_CPU_ONEDNN_FP32=0|1`` overrides); elsewhere fp32 keeps the plain layers (MKL).
 * **Attention.** For sentence-length sequences the plain matmul-softmax-matmul is faster on the CPU than PyTorch's
-  fused "flash" kernel, whose advantage starts at several hundred tokens (benchmarks/kernel_choices.py; figures per CPU in docs/results.md): "auto" runs the plain form up
+  fused "flash" kernel, whose advantage starts at several hundred tokens (benchmarks/kernel_choices.py; figures per CPU in docs/experiments.md): "auto" runs the plain form up
   to :data:`PLAIN_ATTENTION_MAX_LEN` tokens. In fp32, where the machine has a C compiler, training runs that
   plain form as one compiled call forward and one backward (:mod:`attnmt.backends.native`: Q, K and V read
   where the projection wrote them, no batched products of tiny matrices; ``ATTNMT_CPU_KERNELS=0`` keeps
@@ -110,8 +110,7 @@ class Int8Linear(nn.Module):
     activations inside its product and costs little per call: it runs the decoding steps of a few sentences.
     From ``onednn_rows`` rows on, oneDNN's int8 inner product (``torch.ops.onednn.qlinear_pointwise``) takes over,
     its activations quantized over their range as fbgemm's (:func:`~attnmt.backends.onednn.quantize_u8_affine`):
-    1.1-1.2x fbgemm's speed on 1,024 rows and more, about even from 128 to 768, and whole searches 3-7% faster,
-    with or without VNNI (docs/results.md). ``onednn_rows=None`` keeps fbgemm's alone; the price of both is a second copy of the int8
+    faster than fbgemm's on many rows, about even on a few hundred, with or without VNNI (docs/experiments.md). ``onednn_rows=None`` keeps fbgemm's alone; the price of both is a second copy of the int8
     weights.
 
     ``weight_bits``: 8 where the CPU accumulates the products in 32 bits (``CpuCapabilities.int8_full_range``), 7
@@ -119,7 +118,7 @@ class Int8Linear(nn.Module):
     [-64, 63] a pair stays below 2 x 255 x 64 = 32,640 and cannot saturate. The bit is taken from the weights
     rather than from the activations (PyTorch's ``reduce_range``): an activation's scale covers a whole batch, so
     its rounding error is the larger, and on Multi30k 7-bit activations cost up to 0.25 BLEU where 7-bit weights
-    cost none (docs/results.md). torch 2.x marks ``torch.ao.quantization`` deprecated in favour of torchao but
+    cost none (docs/experiments.md). torch 2.x marks ``torch.ao.quantization`` deprecated in favour of torchao but
     still ships it; its warnings are silenced because the user asked for exactly this.
     """
 
@@ -231,7 +230,7 @@ class CpuBackend(Backend):
 
     def decoding_max_tokens(self) -> int:
         # a decoding step costs the same Python and kernel overhead whatever its row count: fewer, larger batches
-        # ran the Multi30k model's beam search 3-8% faster at 8192 than at 4096 source tokens (docs/results.md)
+        # (docs/experiments.md)
         return 8192
 
     def loss_block_elements(self) -> int | None:

@@ -3,9 +3,8 @@
 What it decides, once per run:
 
 * **Attention kernels.** Training and translation call ``scaled_dot_product_attention``; PyTorch may pick its
-  cuDNN kernel, which builds (and caches) a cuDNN graph for every new (batch, length) shape: 7-9 ms per call on an
-  H100, and token batching makes nearly every batch a new shape, so that this alone made transformer_big's
-  updates three times slower (0.322 s vs 0.101 s with cuDNN's attention off). :meth:`configure_process` turns
+  cuDNN kernel, which builds (and caches) a cuDNN graph for every new (batch, length) shape, and token batching
+  makes nearly every batch a new shape (docs/experiments.md has what that cost). :meth:`configure_process` turns
   the cuDNN attention off for the process; the flash and memory-efficient kernels, which need no per-shape
   setup, serve every shape NMT has (any length, padding masks, causal).
 * **Length buckets.** Training batches are padded to lengths that are multiples of 8 (fairseq's
@@ -31,8 +30,8 @@ What it decides, once per run:
   the CPU's blockwise scan over bf16 bit patterns (:meth:`decoding_kernels`), all of a batch's rows in one
   block (each block of a step costs its own few dozen launches); batches default to 16,000 source tokens per
   20 GiB of GPU memory, up to 64,000 (:meth:`decoding_max_tokens`).
-* **Checkpoint snapshots** go to page-locked host buffers, reused from save to save, so that copying 2.4 GB of
-  transformer_big state off the GPU takes a fraction of a second (:meth:`host_staging`).
+* **Checkpoint snapshots** go to page-locked host buffers, reused from save to save, so that copying the state
+  off the GPU runs at the bus's speed (:meth:`host_staging`).
 """
 
 from __future__ import annotations
@@ -115,7 +114,7 @@ class CudaBackend(Backend):
     def decoding_max_tokens(self) -> int:
         # a beam step is bound by launch overhead until the batch has thousands of rows: larger batches fill the
         # GPU; 16,000 source tokens for every 20 GiB of GPU memory, up to 64,000 (a transformer_big's fp32 beam-4
-        # cache for 64,000 WMT source tokens is about 40 GB)
+        # cache for 64,000 WMT-length source tokens: about half an 80 GB GPU)
         total = torch.cuda.get_device_properties(self.device).total_memory if torch.cuda.is_available() else 0
         return 16000 * max(1, min(4, total // (20 * 2**30)))
 

@@ -7,7 +7,7 @@ A beam search step on the CPU spends much of its attention time in PyTorch's bat
 values, reads only the slots of the row's own history (a quarter of the batched form's at beam 4), and keeps the
 scores in a small buffer. ``csrc/logsumexp.c`` reads each row of logits twice (the row's and its vocabulary
 blocks' maxima, then the sum of exponentials) where ``log_softmax`` and the block maxima read and write the
-vocabulary four times and more (docs/results.md has the measurements). ``csrc/smoothed_loss.c`` turns a block
+vocabulary four times and more (docs/experiments.md has the measurements). ``csrc/smoothed_loss.c`` turns a block
 of training logits into the label-smoothed loss's sums and, in place, its gradient, in three passes over each
 row while it sits in the cache, where PyTorch's log_softmax, gather, sum, exp and subtraction each read and write
 the logits. ``csrc/train_attention.c`` is training's attention for sentence-length sequences in fp32: one task per

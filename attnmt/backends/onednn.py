@@ -10,7 +10,7 @@ a swapped model saves and loads the same state dict and the optimizer keeps its 
 the product onto it (one more write and read of the whole output), and a following ReLU is another pass.
 oneDNN's inner product adds the bias and applies the ReLU while each output tile is still in registers; PyTorch
 exposes it as ``torch.ops.mkldnn._linear_pointwise`` (the kernel its compiler emits for CPU linear layers), and
-it is the faster of the two on the model's shapes (benchmarks/kernel_choices.py; figures per CPU in docs/results.md). The outputs are bitwise those of ``nn.Linear`` under autocast. The
+it is the faster of the two on the model's shapes (benchmarks/kernel_choices.py; figures per CPU in docs/experiments.md). The outputs are bitwise those of ``nn.Linear`` under autocast. The
 backward pass is autograd's (the ReLU mask from the saved output, then the input, weight and bias gradients),
 except that the weight gradient's product is laid out the way oneDNN runs fastest (:func:`_weight_grad`), which
 can change its rounding but not its value.
@@ -113,7 +113,7 @@ class PackedLinear(nn.Module):
 
     ``nn.Linear`` repacks its weight for every product; a decoding step is dozens of small products (a few
     hundred rows), for which that packing is a large share: packed once, with bitwise the same results
-    (benchmarks/kernel_choices.py; figures per CPU in docs/results.md). ``weight`` and ``bias`` stay as
+    (benchmarks/kernel_choices.py; figures per CPU in docs/experiments.md). ``weight`` and ``bias`` stay as
     they were. ``relu=True`` applies the ReLU inside the product (the feed-forward's first layer).
     """
 
@@ -150,8 +150,8 @@ class Int8PackedLinear(nn.Module):
     is a pass over the input of its own (min/max, then scale and round), which costs more than the int8 product
     saves on fewer than ``INT8_MIN_ROWS`` rows: those run the bf16 packed weight. On more rows every product gains,
     the most where the output is much wider than the input (the output projection to the vocabulary, the
-    feed-forward's first layer: 1.5-1.7x the bf16 product, the quantization included), the least where it is as
-    wide or narrower (1.1-1.2x) (benchmarks/kernel_choices.py; docs/results.md). ``relu=True`` applies the ReLU
+    feed-forward's first layer), the least where it is as wide or narrower (benchmarks/kernel_choices.py;
+    docs/experiments.md). ``relu=True`` applies the ReLU
     inside the product.
     """
 
@@ -184,8 +184,8 @@ def quantize_u8(x: Tensor) -> tuple[Tensor, Tensor]:
     the whole tensor: its largest magnitude maps to 127 (symmetric, so 0 stays exact).
 
     ``torch.quantize_per_tensor`` scales, rounds and stores in one vectorized pass, in float32 (bf16 cannot hold
-    x / scale + 128 to the unit), where the same arithmetic as tensor operations takes five passes: 1.3-1.8x the
-    time on a decoding step's inputs (benchmarks/kernel_choices.py). Its bytes are then read as a plain uint8
+    x / scale + 128 to the unit), where the same arithmetic as tensor operations takes five passes
+    (benchmarks/kernel_choices.py). Its bytes are then read as a plain uint8
     tensor, without a copy. Inputs of more than ``QUANTIZE_BLOCK`` elements are converted in blocks of rows, so
     that no float32 copy of a whole encoder batch is allocated: the allocator would map such a block afresh, and
     the kernel zero it, every time.

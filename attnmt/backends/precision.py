@@ -2,7 +2,7 @@
 
 * ``auto`` (the recipes' choice): bf16 where the hardware computes in bf16 natively (a CPU with AMX or AVX-512
   BF16; a GPU of compute capability 8.0 or later for training), fp32 otherwise. Translation on a GPU stays in
-  fp32 under ``auto``: the beam search in bf16 was measured at about the speed of fp32 on an H100 (1.0-1.1x).
+  fp32 under ``auto``: the beam search gains little from bf16 there (docs/experiments.md), and fp32 is exact.
 * ``bf16`` (also ``--bf16``): bf16 autocast with fp32 master weights. On a CPU without native bf16 this is a
   one-line error naming the missing capability: PyTorch would run it, but emulated bf16 products were several
   to hundreds of times slower than fp32 there, so a run that looks healthy would take days.

@@ -256,7 +256,7 @@ TOPK_BLOCK = 64  # best_extensions scans the vocabulary as blocks of this many t
 def _block_maxima(x: Tensor, n: int, nonpositive: bool) -> Tensor:
     """Maxima of ``n`` equal blocks of each row of ``x`` (R, n * c) -> (R, n).
 
-    PyTorch reduces bf16 through float conversions, slower than this (benchmarks/kernel_choices.py; figures per CPU in docs/results.md): for values <= 0 (log-probabilities),
+    PyTorch reduces bf16 through float conversions, slower than this (benchmarks/kernel_choices.py; figures per CPU in docs/experiments.md): for values <= 0 (log-probabilities),
     the bf16 bit pattern read as an integer, sign bit cleared, orders them by magnitude, so the block maximum is
     the block's smallest such integer with the sign bit put back (exact, -inf and -0 included).
     """

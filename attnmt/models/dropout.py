@@ -9,7 +9,7 @@ two more passes; in a bf16 training step of the small Transformer that was about
   is no bool tensor and no slow bool-to-float conversion. The drop probability is ``p`` rounded to a multiple
   of 2^-15, and kept elements are scaled by the exact ``1 / (1 - p_rounded)``, so the output is unbiased.
   Drawing the random numbers is most of a mask's cost: 16-bit lanes for fp32 too (instead of 32-bit ones)
-  halve it, and made fp32 training updates 2.4% faster on an AVX2 CPU (docs/results.md);
+  halve it (docs/experiments.md);
 * ``x + dropout(y)``, the residual connection, is one ``addcmul`` (forward) and one multiply (backward);
 * where the backend gives a kernel for the masks (``DropoutKernel.dropout_masks``, a
   :class:`~attnmt.models.interface.DropoutMasks`: the CPU's compiled one), each element's 15 bits come from a

@@ -59,7 +59,7 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:
 
     The plain matmul-softmax-matmul, the CPU backend's choice: a decoding step is thousands of tiny (beam x keys)
     products, where SDPA's blocked CPU kernel spends most of its time packing operands (benchmarks/kernel_choices.py;
-    figures per CPU in docs/results.md). A GPU takes the fused form (``fused_attention``, :func:`_attend_fused`).
+    figures per CPU in docs/experiments.md). A GPU takes the fused form (``fused_attention``, :func:`_attend_fused`).
     """
     s = torch.matmul(q, k.transpose(-1, -2)).mul_(q.size(-1) ** -0.5)  # (N, H, M, L)
     if bias is not None:

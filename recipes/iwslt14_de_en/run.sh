@@ -6,7 +6,7 @@
 #   detokenized text.
 #
 # With the full 160k-pair training set this setup reaches about 34.5 BLEU. The data shipped for this machine has
-# only an 8,659-pair random sample of it (TRAIN=train_sample), so expect far less: see docs/results.md.
+# only an 8,659-pair random sample of it (TRAIN=train_sample), so expect far less: see docs/experiments.md.
 #
 # Run from the repository root:  DATA_DIR=../shared/data/iwslt14_de_en bash recipes/iwslt14_de_en/run.sh
 # Knobs (environment variables):

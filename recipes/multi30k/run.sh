@@ -10,7 +10,7 @@
 # Pairs: any two of en, de, fr, cs. Test sets: test_2016_flickr (all), test_2017_flickr (de, fr),
 # test_2017_mscoco (de), test_2018_flickr (all); a test set is used when both its sides are in the manifest.
 #
-# Configuration: the training settings below were chosen on val (docs/results.md, "Multi30k: what was tried").
+# Configuration: the training settings below were chosen on val (docs/experiments.md, "Multi30k: what was tried").
 # The precision comes from the hardware (bf16 where the CPU computes it natively, fp32 elsewhere); the settings
 # come from the speed measured on this machine: a probe of 60 updates before training gives the updates the time
 # budget buys, and the residual dropout follows from that count: 0.2 for runs of up to ~6,500 updates (still
@@ -36,7 +36,7 @@
 #   VOCAB             joint SentencePiece vocabulary size                 [the profile's]
 #   TRAIN_LINES       use only the first N training pairs (smoke tests; 0: all)  [0]
 #   EVAL_BLEU         decode the first N valid sentences after each epoch (--eval-bleu), for the valid BLEU
-#                     curve; costs training time (0: off, as in the measured runs of docs/results.md)  [0]
+#                     curve; costs training time (0: off, as in the measured runs of docs/experiments.md)  [0]
 #   EXTRA_TRAIN_ARGS  more `attnmt train` options (they win over the profile's)
 #   GEN_ARGS          more `attnmt generate` options
 set -euo pipefail
@@ -73,8 +73,8 @@ print(resolve_precision('auto', torch.device('cpu')))") ;;
   fp32) PRECISION=fp32; PROFILE_DROPOUT=0.2 ;;
   *) fail "PROFILE=$PROFILE: use auto, long, bf16 or fp32" ;;
 esac
-LONG_RUN_UPDATES=6500  # from this many expected updates on, dropout 0.3 (docs/results.md, "Multi30k: what was tried")
-# The profiles share the model and schedule chosen on val; see docs/results.md for what each was measured against.
+LONG_RUN_UPDATES=6500  # from this many expected updates on, dropout 0.3 (docs/experiments.md, "Multi30k: what was tried")
+# The profiles share the model and schedule chosen on val; see docs/experiments.md for what each was measured against.
 ARCH=${ARCH:-transformer_small}
 VOCAB=${VOCAB:-8000}
 AVG=${AVG:-5 10}
