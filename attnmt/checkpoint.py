@@ -18,6 +18,9 @@ so far), ``checkpoint{epoch}.pt`` (end of an epoch), ``checkpoint_{epoch}_{updat
 ``--save-interval-updates`` / ``--save-interval-minutes``). One file is written atomically (temp file + rename) and
 the other names are copies of it, themselves written atomically: no two names share a file, so replacing or truncating one (``cp other.pt checkpoint_last.pt``) never
 changes another.
+
+Format versions: a file of an earlier ``version`` is brought to today's by the upgrade steps registered with
+:func:`upgrade_from` as it is read (:func:`load`); a newer one is refused with a one-line error.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import os
 import re
 import shutil
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -202,6 +206,37 @@ def resolve(path: str | os.PathLike) -> Path:
     return p
 
 
+Upgrade = Callable[[dict], dict]
+UPGRADES: dict[int, Upgrade] = {}  # version v -> what turns a version-v checkpoint into a version v + 1 one
+
+
+def upgrade_from(version: int) -> Callable[[Upgrade], Upgrade]:
+    """Register the function that turns a checkpoint of format ``version`` into one of ``version + 1`` (fairseq's
+    ``_upgrade_state_dict``). A change of the format raises :data:`VERSION` by one and adds one such function
+    (renamed keys, new sections with their defaults, converted tensors); :func:`load` runs every step from a
+    file's version up to :data:`VERSION`, so checkpoints of every earlier format keep loading."""
+
+    def register(fn: Upgrade) -> Upgrade:
+        UPGRADES[version] = fn
+        return fn
+
+    return register
+
+
+def upgrade(ckpt: dict, path: str | os.PathLike) -> dict:
+    """``ckpt`` (of any version up to :data:`VERSION`) in today's format."""
+    version = ckpt["version"]
+    while version < VERSION:
+        step = UPGRADES.get(version)
+        if step is None:
+            raise UserError(f"{path}: checkpoint version {version} has no upgrade to version {version + 1} in this "
+                            f"attnmt; load it with the attnmt that wrote it and save it again, or use a newer attnmt")
+        ckpt = step(dict(ckpt))
+        version += 1
+        ckpt["version"] = version
+    return ckpt
+
+
 def load(path: str | os.PathLike, mmap: bool = False) -> dict:
     """Read a checkpoint safely (``weights_only=True``); anything but a complete attnmt checkpoint is a UserError.
 
@@ -221,9 +256,10 @@ def load(path: str | os.PathLike, mmap: bool = False) -> dict:
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise UserError(f"{path}: not an attnmt checkpoint (no format '{FORMAT}'); use a file written by attnmt train")
     version = ckpt.get("version")
-    if not isinstance(version, int) or version > VERSION:
-        raise UserError(f"{path}: checkpoint version {version!r} is not supported (this attnmt reads up to "
-                        f"{VERSION}); upgrade attnmt")
+    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= VERSION:
+        raise UserError(f"{path}: checkpoint version {version!r} is not supported (this attnmt reads versions 1 "
+                        f"to {VERSION}); upgrade attnmt")
+    ckpt = upgrade(ckpt, path)
     for key in ("model", "model_name", "model_config", "data"):
         if key not in ckpt:
             raise UserError(f"{path}: attnmt checkpoint without {key!r}; the file is incomplete or damaged")

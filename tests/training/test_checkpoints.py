@@ -114,3 +114,36 @@ def test_reset_flags_and_finetune(tmp_path):
     assert ckpts.load(ft / ckpts.LAST)["train"]["num_updates"] == 1
     # update 1 of a fresh warm-up runs at lr 0: the weights are exactly the fine-tuned-from ones
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_checkpoint_of_todays_format_loads_after_a_format_change(tmp_path, monkeypatch):
+    """A format change raises VERSION and registers an upgrade step; a checkpoint written before it (today's
+    format, version 1) is upgraded as it is read, with the same weights; a file newer than this attnmt, or one
+    whose version has no upgrade step, is a one-line error."""
+    data = make_data_bin(tmp_path / "bin")
+    ck = tmp_path / "ck"
+    _train(data, ck, "--max-update", "3")
+    path = ck / "checkpoint_last.pt"
+    before = ckpts.load(path)
+
+    def move_the_language_pair(c):  # a made-up version 2: the pair moves out of the data section
+        c["data"] = dict(c["data"])
+        c["pair"] = [c["data"].pop("source_lang"), c["data"].pop("target_lang")]
+        return c
+
+    monkeypatch.setattr(ckpts, "VERSION", 2)
+    monkeypatch.setattr(ckpts, "UPGRADES", {})
+    ckpts.upgrade_from(1)(move_the_language_pair)
+    after = ckpts.load(path)
+    assert after["version"] == 2 and after["pair"] == ["en", "de"] and "source_lang" not in after["data"]
+    assert after["model"].keys() == before["model"].keys()
+    assert all(torch.equal(after["model"][k], before["model"][k]) for k in before["model"])
+
+    monkeypatch.setattr(ckpts, "UPGRADES", {})
+    with pytest.raises(ckpts.UserError, match="version 1 has no upgrade to version 2"):
+        ckpts.load(path)
+    monkeypatch.setattr(ckpts, "VERSION", 1)
+    newer = tmp_path / "newer.pt"
+    torch.save(dict(before, version=2), newer)
+    with pytest.raises(ckpts.UserError, match="version 2 is not supported .* versions 1 to 1"):
+        ckpts.load(newer)
