@@ -14,7 +14,7 @@ For each (architecture, precision) it runs ``--updates`` real training updates (
 autocast or loss scaling, label-smoothed loss, backward, fused Adam, inverse-sqrt schedule, dropout on) after
 ``--warmup`` untimed ones, each timed to the GPU's completion (``torch.cuda.synchronize``). At every epoch end it
 saves the model and optimizer state the way training does (``--save background``: the host snapshot and the
-background write of ``attnmt/training/saver.py``; ``foreground``: written in the loop; ``none``), so that the
+background write of ``attnmt/checkpoint/saver.py``; ``foreground``: written in the loop; ``none``), so that the
 step-time mean shows what saving costs. The process settings are those of ``attnmt train`` (the CUDA backend's
 ``configure_process``: cuDNN attention off); ``--cudnn-attention`` turns cuDNN's attention back on, which is how
 the GPU ran before the CUDA backend made that choice.
@@ -69,12 +69,12 @@ def gemm_peak(device: torch.device, dtype: torch.dtype, n: int, reps: int = 10) 
 
 def run(data_bin: str, arch: str, precision: str, device: torch.device, args) -> dict:
     from attnmt.backends import backend_for
+    from attnmt.checkpoint.saver import CheckpointSaver
     from attnmt.criterions import LabelSmoothedCrossEntropyConfig
     from attnmt.optim import AdamConfig, InverseSqrtConfig, build_adam, build_lr_scheduler
     from attnmt.tasks.translation import TranslationConfig, TranslationTask
     from attnmt.training.config import TrainConfig
     from attnmt.training.data import make_train_iterator
-    from attnmt.training.saver import CheckpointSaver
     from attnmt.training.trainer import Trainer
 
     torch.manual_seed(args.seed)

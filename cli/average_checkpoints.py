@@ -27,7 +27,7 @@ def command(inputs, more_inputs, output, num_update_checkpoints, num_epoch_check
     The result keeps the model, its configuration and the dictionaries of the last input and drops the training
     state; generate, translate and train --finetune-from load it.
     """
-    from attnmt.averaging import average_to_file, resolve_inputs
+    from attnmt.checkpoint.averaging import average_to_file, resolve_inputs
 
     paths = resolve_inputs([*inputs, *more_inputs], num_update_checkpoints, num_epoch_checkpoints,
                            checkpoint_upper_bound)

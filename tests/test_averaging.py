@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from attnmt.averaging import average_checkpoints, average_to_file, resolve_inputs, select_checkpoints
+from attnmt.checkpoint.averaging import average_checkpoints, average_to_file, resolve_inputs, select_checkpoints
 from attnmt.cli import main
 from attnmt.errors import UserError
 

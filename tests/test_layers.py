@@ -18,7 +18,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("data", ("attnmt.data", "attnmt.scoring", "attnmt.progress")),
     ("models", ("attnmt.models",)),
     ("components", ("attnmt.criterions", "attnmt.optim", "attnmt.tasks", "attnmt.checkpoint", "attnmt.backends")),
-    ("inference", ("attnmt.generation", "attnmt.inference", "attnmt.averaging", "attnmt.builtins")),
+    ("inference", ("attnmt.generation", "attnmt.inference", "attnmt.checkpoint.averaging", "attnmt.builtins")),
     ("work", ("attnmt.training", "attnmt.preprocess", "attnmt.plots", "attnmt.interop")),
     ("commands", ("attnmt.cli",)),
 ]

@@ -118,7 +118,7 @@ class Backend:
         return 1
 
     def host_staging(self) -> HostStaging:
-        """Where checkpoint snapshots are staged in host memory (see ``training/saver.py``)."""
+        """Where checkpoint snapshots are staged in host memory (see ``checkpoint/saver.py``)."""
         return HostStaging()
 
     def decoding_max_tokens(self) -> int:

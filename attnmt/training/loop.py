@@ -28,6 +28,8 @@ import torch
 
 from attnmt import checkpoint
 from attnmt.backends import backend_for, resolve_precision, training_device
+from attnmt.checkpoint import resume as ckpts
+from attnmt.checkpoint.saver import CheckpointSaver
 from attnmt.config import to_dict
 from attnmt.data.batching import EpochBatchIterator, Skipped
 from attnmt.errors import UserError
@@ -35,12 +37,10 @@ from attnmt.fileio import check_output_dir, check_output_file, exclusive
 from attnmt.optim import build_lr_scheduler, build_optimizer
 from attnmt.progress import RunLog, fmt_number, hms
 from attnmt.registry import get
-from attnmt.training import checkpoints as ckpts
 from attnmt.training import decisions, distributed
 from attnmt.training.config import Setup, TrainConfig
 from attnmt.training.data import chunks, make_train_iterator, make_valid_batches, seed_everything
 from attnmt.training.metrics import Best, Meter, log_train, validate
-from attnmt.training.saver import CheckpointSaver
 from attnmt.training.state import build_state, finetune, resume
 from attnmt.training.trainer import Trainer
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 from attnmt import checkpoint
 from attnmt.checkpoint import DataSection
+from attnmt.checkpoint import resume as ckpts
 from attnmt.config import to_dict
 from attnmt.data.batching import EpochBatchIterator
 from attnmt.errors import UserError
 from attnmt.progress import RunLog
-from attnmt.training import checkpoints as ckpts
 from attnmt.training.config import Setup, TrainConfig
 from attnmt.training.metrics import Best
 from attnmt.training.trainer import Trainer

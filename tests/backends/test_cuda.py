@@ -105,7 +105,7 @@ def test_half_precision_translation_casts_once_and_stays_close(precision):
 
 
 def test_checkpoint_snapshot_of_gpu_tensors_is_pinned_and_independent(tmp_path):
-    from attnmt.training.saver import CheckpointSaver
+    from attnmt.checkpoint.saver import CheckpointSaver
 
     dev = torch.device("cuda")
     w = torch.randn(256, 256, device=dev)

@@ -13,9 +13,9 @@ from helpers import TINY_MODEL, make_data_bin
 
 from attnmt import checkpoint as ckpts
 from attnmt.backends.base import HostStaging
+from attnmt.checkpoint.saver import CheckpointSaver, snapshot
 from attnmt.cli import main
 from attnmt.errors import UserError
-from attnmt.training.saver import CheckpointSaver, snapshot
 
 
 def test_snapshot_is_the_state_at_save_time_and_keeps_ties(tmp_path):
@@ -87,7 +87,7 @@ WRITER = textwrap.dedent("""
     import sys, time, torch
     from attnmt import fileio
     from attnmt.backends.base import HostStaging
-    from attnmt.training.saver import CheckpointSaver
+    from attnmt.checkpoint.saver import CheckpointSaver
 
     def stuck(fd):  # the data is written, the file not yet renamed over the old one: hang here
         print("writing", flush=True)
