@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -51,20 +52,12 @@ def _model_outputs(model, batch, pad: int) -> tuple[torch.Tensor, torch.Tensor, 
     return h, unwrap(model).output_projection_weight(), target[keep]
 
 
-_BLOCK_ELEMENTS = 1 << 18  # logits per block and thread: 1 MB in fp32, so a block's passes stay in the L2 cache
 _PROJECTION_ELEMENTS = 1 << 25  # logits per block of the fused output projection (64 MB in bf16)
 
 
-def cpu_block_elements() -> int:
-    """Logits per block on the CPU: L2-cache-sized blocks for every thread (the CPU backend's choice)."""
-    return _BLOCK_ELEMENTS * torch.get_num_threads()
-
-
 def _row_blocks(n: int, vocab: int, block_elements: int | None):
-    """Row slices of at most ``block_elements`` logits (None: the CPU's default; 0: all rows at once)."""
-    if block_elements is None:
-        block_elements = cpu_block_elements()
-    step = max(1, block_elements // max(vocab, 1)) if block_elements > 0 else max(n, 1)
+    """Row slices of at most ``block_elements`` logits (None or 0: all rows at once; the backend chooses)."""
+    step = max(1, block_elements // max(vocab, 1)) if block_elements else max(n, 1)
     for i in range(0, n, step):
         yield slice(i, min(i + step, n))
 
@@ -98,6 +91,9 @@ def _loss_rows(logits: torch.Tensor, target: torch.Tensor, epsilon: float, lp_y:
             torch.sum(lp, dim=-1, keepdim=True, out=lp_sum[rows])
         if grad is not None:
             torch.exp(lp, out=grad[rows]).sub_(epsilon / vocab)
+
+
+Projection = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (a, b) -> a @ b^T
 
 
 class LossKernel(ABC):
@@ -195,7 +191,8 @@ class _ProjectedSmoothedNLL(torch.autograd.Function):
     """The output projection ``logits = h W^T`` (paper 3.4) fused with the label-smoothed loss.
 
     Rows go through in blocks (a whole batch at once for a 10k vocabulary; ``_PROJECTION_ELEMENTS`` bounds the
-    block's logits): the block's logits are computed, turned into loss sums and, in place, into the gradient
+    block's logits): the block's logits are computed (by the backend's ``projection``, ``a @ b^T``, where it gave
+    one for fp32), turned into loss sums and, in place, into the gradient
     ``G = softmax - q`` (as in :class:`_SmoothedNLL`, in cache-sized pieces) and multiplied back, ``dh = G W``.
     G is kept (in the compute dtype) for the weight gradient ``dW = G^T h``, made in the backward pass. Backward
     then scales ``dh`` (N x D) and ``dW`` (V x D) by the incoming gradient, not the (N x V) G, and ``dW`` is
@@ -207,7 +204,7 @@ class _ProjectedSmoothedNLL(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, target, epsilon: float, dtype, block_elements: int | None = None,
-                onednn: bool = False, kernel: LossKernel | None = None):
+                projection: Projection | None = None, kernel: LossKernel | None = None):
         n, _ = h.shape
         vocab = weight.size(0)
         hc, wc = h.to(dtype), weight.to(dtype)
@@ -219,21 +216,22 @@ class _ProjectedSmoothedNLL(torch.autograd.Function):
         grad = torch.empty(n, vocab, dtype=dtype, device=h.device) if need_grad and step < n else None
         grad_h = torch.empty_like(hc) if need_grad else None  # G W (N, D)
         scratch = _Scratch()
-        onednn = onednn and dtype == torch.float32  # the backend's choice (CPUs where oneDNN outruns MKL)
-        wct = wc.t().contiguous() if onednn and need_grad else None
+        if dtype != torch.float32:
+            projection = None  # the backend's product is for fp32 (CPUs where oneDNN outruns MKL)
+        wct = wc.t().contiguous() if projection is not None and need_grad else None
         with torch.autocast(h.device.type, enabled=False):
             for i in range(0, n, step):
                 rows = slice(i, min(i + step, n))
-                if onednn:
-                    logits = torch.ops.mkldnn._linear_pointwise(hc[rows].contiguous(), wc, None, "none", [], "")
+                if projection is not None:
+                    logits = projection(hc[rows], wc)
                 else:
                     logits = torch.mm(hc[rows], wc.t())  # (R, V)
                 g = logits if need_grad else None
                 _smoothed_rows(logits, target[rows], epsilon, lp_y[rows], lp_sum[rows], g, scratch, block_elements,
                                kernel)
                 if g is not None:
-                    if onednn:
-                        grad_h[rows] = torch.ops.mkldnn._linear_pointwise(g, wct, None, "none", [], "")
+                    if projection is not None:
+                        grad_h[rows] = projection(g, wct)
                     else:
                         torch.mm(g, wc, out=grad_h[rows])
                     if grad is None:
@@ -320,31 +318,31 @@ def smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, pad: int,
 
 
 def projected_smoothed_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, epsilon: float,
-                                     block_elements: int | None = None, onednn: bool = False,
+                                     block_elements: int | None = None, projection: Projection | None = None,
                                      kernel: LossKernel | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss sum, NLL sum) of the logits ``h @ weight.T`` for features ``h`` (N, D), projection ``weight`` (V, D)
     and ``target`` (N,) (no padding rows), without materializing the (N, V) logits: see
     :class:`_ProjectedSmoothedNLL`. Under autocast the products run in the autocast dtype."""
     device = h.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
-    return _ProjectedSmoothedNLL.apply(h, weight, target, float(epsilon), dtype, block_elements, onednn, kernel)
+    return _ProjectedSmoothedNLL.apply(h, weight, target, float(epsilon), dtype, block_elements, projection, kernel)
 
 
 def _loss(model, batch, pad: int, epsilon: float, kernels: BlockedLoss) -> tuple[torch.Tensor, torch.Tensor]:
     h, weight, target = _model_outputs(model, batch, pad)
     return projected_smoothed_cross_entropy(h, weight, target, epsilon, kernels.block_elements,
-                                            kernels.onednn_projection, kernels.loss_kernel)
+                                            kernels.projection, kernels.loss_kernel)
 
 
 class BlockedLoss:
-    """Mixin of criterions whose kernels the backend tunes: they go through the logits in blocks of
-    ``block_elements`` (cache-sized blocks per CPU thread on the CPU, the whole batch at once on a GPU; None: the
-    CPU's default), with ``onednn_projection`` run the fp32 vocabulary projection's forward products through
-    oneDNN (CPUs where it outruns MKL), and with ``loss_kernel`` make the loss and its gradient from the logits in
-    one compiled call (:class:`LossKernel`)."""
+    """Mixin of criterions whose kernels the backend tunes (``Backend.prepare_criterion``): they go through the
+    logits in blocks of ``block_elements`` (cache-sized blocks per CPU thread on the CPU; None: the whole batch at
+    once, as on a GPU), with ``projection`` run the fp32 vocabulary projection's products (``a @ b^T``; oneDNN's on
+    CPUs where it outruns MKL; None: ``torch.mm``), and with ``loss_kernel`` make the loss and its gradient from
+    the logits in one compiled call (:class:`LossKernel`)."""
 
     block_elements: int | None = None
-    onednn_projection: bool = False
+    projection: Projection | None = None
     loss_kernel: LossKernel | None = None
 
 

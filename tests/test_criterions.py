@@ -179,16 +179,13 @@ def test_criterion_with_fused_projection_equals_full_logits_loss_and_gradients()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_blocked_loss_matches_reference_across_blocks(monkeypatch, dtype):
+def test_blocked_loss_matches_reference_across_blocks(dtype):
     """Rows split over several blocks (a tiny block size) give the reference loss and gradient."""
-    import attnmt.criterions as C
-
-    monkeypatch.setattr(C, "_BLOCK_ELEMENTS", 40)  # 40 logits per block and thread: 1-2 rows of 37
     torch.manual_seed(5)
     base = torch.randn(11, 37) * 3
     target = torch.randint(2, 37, (11,))
     logits = base.to(dtype).requires_grad_(True)
-    loss, nll = smoothed_cross_entropy(logits, target, PAD, 0.1)
+    loss, nll = smoothed_cross_entropy(logits, target, PAD, 0.1, 40)  # 40 logits per block: 1-2 rows of 37
     (0.3 * loss).backward()
     ref = base.to(dtype).float().requires_grad_(True)
     lp = torch.log_softmax(ref.double(), -1)

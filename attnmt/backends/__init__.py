@@ -17,10 +17,11 @@ from __future__ import annotations
 
 from attnmt.backends.base import Backend, Mode
 from attnmt.backends.capabilities import CpuCapabilities, cpu
-from attnmt.backends.devices import resolve_device, training_device
+from attnmt.backends.devices import auto_device, resolve_device, training_device
 from attnmt.backends.precision import PRECISIONS, Precision, resolve_precision
 
-__all__ = ["Backend", "CpuCapabilities", "Mode", "PRECISIONS", "Precision", "backend_for", "configure_process",
+__all__ = ["Backend", "CpuCapabilities", "Mode", "PRECISIONS", "Precision", "auto_device", "backend_for",
+           "configure_process",
            "cpu", "report", "resolve_device", "resolve_precision", "training_device"]
 
 
@@ -45,10 +46,8 @@ def configure_process(mode: Mode, device: str = "auto") -> dict:
     per process; called by the commands before any model runs. ``device``: a device name, or "auto"."""
     import torch
 
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        dev = torch.device(device)
+        dev = auto_device() if device == "auto" else torch.device(device)
     except RuntimeError:
         return {}  # the command reports the bad --device itself
     return backend_for(dev).configure_process(mode)

@@ -90,20 +90,21 @@ class Backend:
 
         if isinstance(criterion, BlockedLoss):
             criterion.block_elements = self.loss_block_elements()
-            criterion.onednn_projection = self.onednn_projection()
+            criterion.projection = self.loss_projection()
             criterion.loss_kernel = self.loss_kernel()
 
     def loss_kernel(self):
         """The compiled loss kernel (``criterions.LossKernel``) of this device, or None: PyTorch's passes."""
         return None
 
-    def onednn_projection(self) -> bool:
-        """The fp32 vocabulary projection of the loss runs through oneDNN rather than ``torch.mm``."""
-        return False
+    def loss_projection(self):
+        """The product ``a @ b^T`` of the fp32 vocabulary projection in the loss (``criterions.Projection``), or
+        None: ``torch.mm``."""
+        return None
 
     def loss_block_elements(self) -> int | None:
-        """Logits per block of the loss (0: the whole batch at once; None: the CPU's default)."""
-        return 0
+        """Logits per block of the loss (None: the whole batch at once)."""
+        return None
 
     def prepare_inference(self, model: nn.Module, quantize: str = "none") -> nn.Module:
         """Make ``model`` (on the device, eval mode) translate fast here; returns it (cast, packed, quantized)."""

@@ -76,6 +76,9 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4
 _configured: set[str] = set()
 
 
+LOSS_BLOCK_ELEMENTS = 1 << 18  # logits per loss block and thread: 1 MB in fp32, so a block's passes stay in the L2 cache
+
+
 def padded_rows(n: int) -> int:
     """``n`` rounded up to one of eight sizes per power of two (a multiple of 8 at least).
 
@@ -234,12 +237,14 @@ class CpuBackend(Backend):
         return 8192
 
     def loss_block_elements(self) -> int | None:
-        from attnmt.criterions import cpu_block_elements
+        return LOSS_BLOCK_ELEMENTS * torch.get_num_threads()  # L2-cache-sized blocks for every thread
 
-        return cpu_block_elements()  # L2-cache-sized blocks per thread
+    def loss_projection(self):
+        if self.precision == "fp32" and self.caps.onednn_fp32:
+            from attnmt.backends.onednn import product
 
-    def onednn_projection(self) -> bool:
-        return self.precision == "fp32" and self.caps.onednn_fp32
+            return product
+        return None
 
     def configure_process(self, mode: Mode) -> dict:
         if mode in _configured:

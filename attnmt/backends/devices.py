@@ -7,10 +7,15 @@ import torch
 from attnmt.errors import UserError
 
 
+def auto_device() -> torch.device:
+    """What ``auto`` means, everywhere: the first GPU when CUDA is usable, else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def resolve_device(device: str) -> torch.device:
-    """``--device auto|cpu|cuda|cuda:N``: auto is the first GPU when CUDA is usable, else the CPU."""
+    """``--device auto|cpu|cuda|cuda:N``: auto is :func:`auto_device`."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return auto_device()
     try:
         dev = torch.device(device)
     except RuntimeError:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
-def _product(a: Tensor, b: Tensor) -> Tensor:
+def product(a: Tensor, b: Tensor) -> Tensor:
     """``a @ b^T`` through oneDNN's inner product (both operands made contiguous)."""
     return torch.ops.mkldnn._linear_pointwise(a.contiguous(), b.contiguous(), None, "none", [], "")
 
@@ -59,11 +59,11 @@ class _LinearPointwise(torch.autograd.Function):
             g = torch.ops.aten.threshold_backward(g, y, 0)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            gx = _product(g, w.t()) if onednn_backward else torch.mm(g, w)
+            gx = product(g, w.t()) if onednn_backward else torch.mm(g, w)
             grad_x = gx.view(shape).to(x_dtype)
         if ctx.needs_input_grad[1]:
             if onednn_weight_grad:
-                gw = _product(g.t(), x2.t())
+                gw = product(g.t(), x2.t())
             elif w.dtype == torch.bfloat16:
                 gw = _weight_grad(g, x2)
             else:  # fp32 in MKL, which takes the transposed operand as it is (no copy)

@@ -454,22 +454,18 @@ def test_process_settings_apply_once_and_respect_the_user():
 
 
 def test_loss_blocks_are_the_backends_choice_and_change_no_number():
-    from attnmt.criterions import (
-        LabelSmoothedCrossEntropy,
-        LabelSmoothedCrossEntropyConfig,
-        cpu_block_elements,
-        smoothed_cross_entropy,
-    )
+    from attnmt.backends.cpu import LOSS_BLOCK_ELEMENTS
+    from attnmt.criterions import LabelSmoothedCrossEntropy, LabelSmoothedCrossEntropyConfig, smoothed_cross_entropy
 
     crit = LabelSmoothedCrossEntropy(LabelSmoothedCrossEntropyConfig(0.1), 1)
     CpuBackend(CPU).prepare_criterion(crit)
-    assert crit.block_elements == cpu_block_elements()
+    assert crit.block_elements == LOSS_BLOCK_ELEMENTS * torch.get_num_threads()
     Backend(torch.device("meta")).prepare_criterion(crit)
-    assert crit.block_elements == 0  # GPUs: the whole batch at once
+    assert crit.block_elements is None  # GPUs: the whole batch at once
     torch.manual_seed(5)
     logits, target = torch.randn(37, 50, requires_grad=True), torch.randint(2, 50, (37,))
     results = []
-    for block in (None, 0, 60):  # default, one block, 1-2 rows per block
+    for block in (None, 0, 60, 1 << 18):  # one block, one block, 1-2 rows per block, the CPU's blocks
         loss, nll = smoothed_cross_entropy(logits, target, 1, 0.1, block)
         (grad,) = torch.autograd.grad(loss + nll, logits)
         results.append((loss.detach(), nll.detach(), grad))
@@ -485,8 +481,10 @@ def test_onednn_vocabulary_projection_gives_the_same_loss_and_gradients(eps):
     h, w = torch.randn(40, 16, requires_grad=True), torch.randn(97, 16, requires_grad=True)
     t = torch.randint(0, 97, (40,))
     results = []
-    for onednn in (False, True):
-        loss, nll = projected_smoothed_cross_entropy(h, w, t, eps, None, onednn)
+    from attnmt.backends.onednn import product
+
+    for projection in (None, product):
+        loss, nll = projected_smoothed_cross_entropy(h, w, t, eps, None, projection)
         grads = torch.autograd.grad(loss + 0.5 * nll, (h, w))
         results.append((loss.detach(), nll.detach(), *grads))
     assert all(torch.allclose(a, b, atol=1e-4, rtol=1e-5) for a, b in zip(*results))
@@ -495,9 +493,9 @@ def test_onednn_vocabulary_projection_gives_the_same_loss_and_gradients(eps):
 
     crit = LabelSmoothedCrossEntropy(LabelSmoothedCrossEntropyConfig(0.1), 1)
     crit_backend.prepare_criterion(crit)
-    assert crit.onednn_projection == capabilities.cpu().onednn_fp32
+    assert (crit.projection is not None) == capabilities.cpu().onednn_fp32
     CpuBackend(CPU, "bf16" if NATIVE_BF16 else "fp32").prepare_criterion(crit)
-    assert crit.onednn_projection == (not NATIVE_BF16 and capabilities.cpu().onednn_fp32)
+    assert (crit.projection is not None) == (not NATIVE_BF16 and capabilities.cpu().onednn_fp32)
 
 
 def test_cuda_choices_are_made_by_the_cuda_backend_alone():

@@ -56,7 +56,7 @@ def test_bf16_training_step_on_the_gpu():
     backend_for(dev, "bf16").prepare_training(model)
     crit = LabelSmoothedCrossEntropy(LabelSmoothedCrossEntropyConfig(0.1), 1)
     backend_for(dev, "bf16").prepare_criterion(crit)
-    assert crit.block_elements == 0
+    assert crit.block_elements is None
     trainer = Trainer(model, crit, build_adam(AdamConfig(), model.parameters(), lr=1e-3),
                       FixedSchedule(FixedConfig(lr=1e-3)), device=dev, precision="bf16")
     src, lengths, prev = _inputs("cuda")
