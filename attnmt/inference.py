@@ -194,11 +194,10 @@ def load_generator(path: str | os.PathLike, search_cfg, gen_cfg):
     ``generator.close()`` stops them. Process-wide settings are the caller's (``attnmt.backends.configure_process``
     in the commands).
     """
-    from attnmt.backends import backend_for, resolve_precision
+    from attnmt.backends import backend_for, resolve_precision, set_threads
     from attnmt.generation.generator import Generator
 
-    if gen_cfg.threads:
-        torch.set_num_threads(gen_cfg.threads)
+    set_threads(gen_cfg.threads)
     if gen_cfg.quantize == "int8":
         if gen_cfg.device not in ("auto", "cpu"):
             raise UserError(f"--quantize int8 runs on the CPU only; drop --device {gen_cfg.device} or --quantize")
@@ -214,7 +213,7 @@ def load_generator(path: str | os.PathLike, search_cfg, gen_cfg):
     if search_cfg.min_len > longest:
         raise UserError(f"--min-len {search_cfg.min_len} is above the longest translation the model can write "
                         f"({longest} tokens); lower --min-len")
-    generator = Generator(bundle.model, bundle.symbols, search_cfg, device, precision=precision,
+    generator = Generator(bundle.model, bundle.symbols, search_cfg, backend,
                           max_source_positions=bundle.max_source_positions(),
                           truncate_source=gen_cfg.truncate_source)
     if gen_cfg.workers > 1:

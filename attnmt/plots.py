@@ -233,6 +233,7 @@ def cross_attention_dump(bundle, source: str, reference: str | None = None, sear
 
     ``bundle`` is an ``attnmt.inference.InferenceBundle``.
     """
+    from attnmt.backends import backend_for
     from attnmt.generation.generator import Generator, collate
     from attnmt.generation.search import SearchConfig
 
@@ -250,7 +251,7 @@ def cross_attention_dump(bundle, source: str, reference: str | None = None, sear
         tgt_ids = bundle.tgt_dict.encode_line(bundle.tgt_pipeline.encode(reference))
     else:
         cfg = search_cfg if search_cfg is not None else SearchConfig()
-        generator = Generator(model, bundle.symbols, cfg, device,
+        generator = Generator(model, bundle.symbols, cfg, backend_for(device),
                               max_source_positions=bundle.max_source_positions())
         hyps = generator.search_batch([src_ids], [0])[0]
         if not hyps:

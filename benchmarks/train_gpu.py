@@ -94,8 +94,7 @@ def run(data_bin: str, arch: str, precision: str, device: torch.device, args) ->
     backend.prepare_criterion(crit)
     optimizer = build_adam(AdamConfig(), model.parameters(), lr=args.lr)
     schedule = InverseSqrtConfig(lr=args.lr, warmup_updates=args.warmup_updates)
-    trainer = Trainer(model, crit, optimizer, build_lr_scheduler("inverse_sqrt", schedule), device=device,
-                      precision=precision)
+    trainer = Trainer(model, crit, optimizer, build_lr_scheduler("inverse_sqrt", schedule), backend=backend)
     multiple = args.required_seq_len_multiple or backend.length_multiple()
     itr, _ = make_train_iterator(task, TrainConfig(max_tokens=args.max_tokens, seed=args.seed), model.max_positions(),
                                  multiple)

@@ -135,12 +135,12 @@ def run(data_bin: str, arch: str, precision: str, steps: int, warmup: int, max_t
     task = TranslationTask(TranslationConfig(), data_bin)
     name, cfg, _ = task.model_config(arch, {})
     model = task.build_model(name, cfg)
-    backend_for("cpu", precision).prepare_training(model)  # as attnmt train does, before the optimizer
+    backend = backend_for("cpu", precision)
+    backend.prepare_training(model)  # as attnmt train does, before the optimizer
     crit = task.build_criterion("label_smoothed_cross_entropy", LabelSmoothedCrossEntropyConfig())
-    backend_for("cpu", precision).prepare_criterion(crit)
+    backend.prepare_criterion(crit)
     sched = build_lr_scheduler("inverse_sqrt", InverseSqrtConfig())
-    trainer = Trainer(model, crit, build_adam(AdamConfig(), model.parameters(), lr=7e-4), sched,
-                      device=torch.device("cpu"), precision=precision)
+    trainer = Trainer(model, crit, build_adam(AdamConfig(), model.parameters(), lr=7e-4), sched, backend=backend)
     itr, _ = make_train_iterator(task, TrainConfig(max_tokens=max_tokens, seed=seed), model.max_positions())
     epoch = itr.shard(itr.epoch)  # the index arrays of the epoch's batches, in order
     wanted = min(warmup + steps, len(epoch))

@@ -22,7 +22,7 @@ from attnmt.backends.precision import PRECISIONS, Precision, resolve_precision
 
 __all__ = ["Backend", "CpuCapabilities", "Mode", "PRECISIONS", "Precision", "auto_device", "backend_for",
            "configure_process",
-           "cpu", "report", "resolve_device", "resolve_precision", "training_device"]
+           "cpu", "report", "resolve_device", "resolve_precision", "set_threads", "training_device"]
 
 
 def backend_for(device, precision: str = "fp32") -> Backend:
@@ -39,6 +39,15 @@ def backend_for(device, precision: str = "fp32") -> Backend:
 
         return CudaBackend(device, precision)
     return Backend(device, precision)
+
+
+def set_threads(threads: int | None) -> None:
+    """The CPU threads this process's PyTorch computes with (``--threads``, a decoding worker's share); None or 0
+    leaves PyTorch's default (every core)."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
 
 
 def configure_process(mode: Mode, device: str = "auto") -> dict:

@@ -67,6 +67,10 @@ class Backend:
         self.device = torch.device(device)
         self.precision = precision
 
+    def with_precision(self, precision: str) -> Backend:
+        """This backend's kind on the same device, for another resolved precision."""
+        return type(self)(self.device, precision)
+
     @property
     def autocast_dtype(self) -> torch.dtype | None:
         return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision)
@@ -113,6 +117,10 @@ class Backend:
         if self.autocast_dtype is not None:
             model = model.to(self.autocast_dtype)  # once, instead of autocast casting at every step
         return model
+
+    def loss_scaler(self):
+        """The dynamic loss scaler of fp16 training (``torch.amp.GradScaler``), or None (no scaling)."""
+        return torch.amp.GradScaler(self.device.type) if self.precision == "fp16" else None
 
     def length_multiple(self) -> int:
         """Training batches' lengths are padded up to a multiple of this (1: not at all)."""

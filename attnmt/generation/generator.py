@@ -20,7 +20,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from attnmt.backends import backend_for
+from attnmt.backends import Backend, backend_for
 from attnmt.backends.precision import requested_precision
 from attnmt.data.batching import batch_by_size
 from attnmt.data.pairs import pad_sequences
@@ -163,14 +163,15 @@ def _gc_paused():
 class Generator:
     """Runs a model's search over id sequences; see the module docstring."""
 
-    def __init__(self, model, symbols: Symbols, search_cfg: SearchConfig, device: torch.device | str = "cpu",
-                 precision: str = "fp32", max_source_positions: int | None = None, truncate_source: bool = False):
-        """``precision``: resolved ("fp32" or "bf16"); a float32 model under "bf16" runs under autocast."""
+    def __init__(self, model, symbols: Symbols, search_cfg: SearchConfig, backend: Backend | None = None,
+                 max_source_positions: int | None = None, truncate_source: bool = False):
+        """``backend``: the run's (its device and resolved precision; None: the CPU in fp32); a float32 model under
+        a "bf16" backend runs under autocast."""
         self.model = model
         self.symbols = symbols
         self.search_cfg = search_cfg
-        self.device = torch.device(device)
-        self.backend = backend_for(self.device, precision)
+        self.backend = backend if backend is not None else backend_for("cpu")
+        self.device = self.backend.device
         self.max_source_positions = max_source_positions
         self.truncate_source = truncate_source
         self.stats = GenerationStats()

@@ -30,8 +30,7 @@ import traceback
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-import torch
-
+from attnmt.backends import set_threads
 from attnmt.errors import UserError
 from attnmt.signals import die_with_parent
 
@@ -55,7 +54,7 @@ def _work(search_batch: Callable | None, load: Callable | None, threads: int, ta
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops the workers
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a forked child must not inherit the parent's SIGTERM policy
     die_with_parent(parent)  # a parent killed by SIGKILL, even before this line, leaves no worker behind
-    torch.set_num_threads(threads)
+    set_threads(threads)
     pid = os.getpid()
     try:
         if search_batch is None:

@@ -28,12 +28,12 @@ from attnmt.training import distributed
 class BleuValidator:
     """Beam-search the validation sources and return corpus BLEU against the validation targets."""
 
-    def __init__(self, task, cfg, device: torch.device, precision: str):
+    def __init__(self, task, cfg, backend):
         from attnmt.generation.search import SearchConfig, Symbols
 
         self.task = task
-        self.device = device
-        self.precision = "bf16" if precision == "bf16" else "fp32"  # fp16 training validates in fp32
+        # the run's backend; fp16 training validates in fp32
+        self.backend = backend if backend.precision != "fp16" else backend.with_precision("fp32")
         self.max_tokens = cfg.max_tokens
         self.batch_size = cfg.batch_size
         split = task.valid_subsets()[0]
@@ -69,8 +69,7 @@ class BleuValidator:
         was_training = model.training
         model.eval()
         try:
-            gen = Generator(model, self.symbols, self.search_cfg, device=self.device, precision=self.precision,
-                            max_source_positions=model.max_positions()[0], truncate_source=True)
+            gen = Generator(model, self.symbols, self.search_cfg, self.backend, max_source_positions=model.max_positions()[0], truncate_source=True)
             mine = list(range(distributed.rank(), len(self.sources), distributed.world_size()))
             local = {}
             for i, h in gen.generate([self.sources[j] for j in mine], max_tokens=self.max_tokens,

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from attnmt import checkpoint
-from attnmt.backends import backend_for, resolve_precision, training_device
+from attnmt.backends import backend_for, resolve_precision, set_threads, training_device
 from attnmt.checkpoint import resume as ckpts
 from attnmt.checkpoint.saver import CheckpointSaver
 from attnmt.config import to_dict
@@ -57,8 +57,7 @@ def train(data_bin: str | os.PathLike, setup: Setup, cfg: TrainConfig,
     """
     dist_cfg = dist_cfg or distributed.DistributedConfig()
     t_start = time.perf_counter()
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    set_threads(cfg.threads)
     device = training_device(cfg.local_rank, cfg.cpu)
     precision = resolve_precision(cfg.precision, device, mode="train")
     peers = None
@@ -113,7 +112,7 @@ def _train(data_bin, setup: Setup, cfg: TrainConfig, extra_validators, dist_cfg:
     optimizer = build_optimizer(setup.optimizer, setup.optimizer_cfg, model.parameters(),
                                 lr=getattr(setup.lr_scheduler_cfg, "lr", 1e-3))
     ddp_model = distributed.wrap(model, device) if cfg.world_size > 1 else None
-    trainer = Trainer(model, criterion, optimizer, lr_scheduler, device=device, precision=precision,
+    trainer = Trainer(model, criterion, optimizer, lr_scheduler, backend=backend,
                       clip_norm=cfg.clip_norm, world_size=cfg.world_size, ddp_model=ddp_model)
     max_positions = model.max_positions()
     multiple = cfg.required_seq_len_multiple or backend.length_multiple()
@@ -127,7 +126,7 @@ def _train(data_bin, setup: Setup, cfg: TrainConfig, extra_validators, dist_cfg:
         if cfg.eval_bleu and not cfg.disable_validation:
             from attnmt.training.bleu import BleuValidator
 
-            extra_validators.append(BleuValidator(task, cfg, device, precision))
+            extra_validators.append(BleuValidator(task, cfg, backend))
 
     total = cfg.max_update or (cfg.max_epoch * math.ceil(len(itr) / cfg.update_freq) if cfg.max_epoch else None)
     log = RunLog(save_dir / "train.jsonl", cfg.progress, total, 0, enabled=is_master, log_file=cfg.log_file,

@@ -29,7 +29,7 @@ import contextlib
 
 import torch
 
-from attnmt.backends import backend_for
+from attnmt.backends import Backend
 from attnmt.data.pairs import move_to
 from attnmt.errors import UserError
 from attnmt.training import distributed
@@ -56,21 +56,21 @@ class Trainer:
     """Holds model, criterion, optimizer, LR schedule and loss scaler; :meth:`train_step` does one update."""
 
     def __init__(self, model: torch.nn.Module, criterion, optimizer: torch.optim.Optimizer, lr_scheduler, *,
-                 device: torch.device, precision: str = "fp32", clip_norm: float = 0.0, world_size: int = 1,
+                 backend: Backend, clip_norm: float = 0.0, world_size: int = 1,
                  ddp_model: torch.nn.Module | None = None):
-        self.backend = backend_for(device, precision)  # refuses fp16 without CUDA
+        self.backend = backend  # the run's, which prepared the model and the criterion
         self.model = model
         self.ddp_model = ddp_model
         self.train_model = ddp_model if ddp_model is not None else model  # what forward/backward run through
         self.criterion = criterion
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
-        self.device = device
-        self.precision = precision
+        self.device = backend.device
+        self.precision = backend.precision
         self.clip_norm = clip_norm
         self.world_size = world_size
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
+        self.scaler = backend.loss_scaler()
         self.num_updates = 0
         self.num_overflows = 0
         self._dummy: dict | None = None

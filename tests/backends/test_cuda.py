@@ -53,12 +53,13 @@ def test_bf16_training_step_on_the_gpu():
         pytest.skip("this GPU has no bf16")
     dev = torch.device("cuda")
     model = _model().cuda()
-    backend_for(dev, "bf16").prepare_training(model)
+    backend = backend_for(dev, "bf16")
+    backend.prepare_training(model)
     crit = LabelSmoothedCrossEntropy(LabelSmoothedCrossEntropyConfig(0.1), 1)
-    backend_for(dev, "bf16").prepare_criterion(crit)
+    backend.prepare_criterion(crit)
     assert crit.block_elements is None
     trainer = Trainer(model, crit, build_adam(AdamConfig(), model.parameters(), lr=1e-3),
-                      FixedSchedule(FixedConfig(lr=1e-3)), device=dev, precision="bf16")
+                      FixedSchedule(FixedConfig(lr=1e-3)), backend=backend)
     src, lengths, prev = _inputs("cuda")
     target = torch.cat([prev[:, 1:], torch.full((3, 1), 2, device=dev)], dim=1)
     sample = {"net_input": {"src_tokens": src, "src_lengths": lengths, "prev_output_tokens": prev},

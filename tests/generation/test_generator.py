@@ -18,6 +18,7 @@ import torch
 from click.testing import CliRunner
 
 from attnmt import registry
+from attnmt.backends import backend_for
 from attnmt.config import to_dict
 from attnmt.errors import UserError
 from attnmt.fileio import atomic_torch_save
@@ -454,7 +455,7 @@ def test_workers_report_a_dead_worker_and_refuse_gpus(ckpt):
     gen.close()
     assert not any(p.is_alive() for p in procs)
     with pytest.raises(UserError, match="--workers runs several decoding processes on the CPU"):
-        Generator(gen.model, gen.symbols, gen.search_cfg, device="meta").start_workers(2, 1)
+        Generator(gen.model, gen.symbols, gen.search_cfg, backend_for("meta")).start_workers(2, 1)
     with pytest.raises(ValueError, match="--workers must be positive"):
         GenerationConfig(workers=0)
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from helpers import TINY_MODEL, make_data_bin
 
 from attnmt import checkpoint as ckpts
-from attnmt.backends import training_device
+from attnmt.backends import backend_for, training_device
 from attnmt.cli import main
 from attnmt.data.batching import EpochBatchIterator
 from attnmt.errors import UserError
@@ -244,7 +244,8 @@ def _tiny_trainer(world_size=1, ddp=False):
     cpu = torch.device("cpu")
     return Trainer(model, LabelSmoothedCrossEntropy(LabelSmoothedCrossEntropyConfig(0.1), 1),
                    build_adam(AdamConfig(), model.parameters(), lr=1e-3), FixedSchedule(FixedConfig(lr=1e-3)),
-                   device=cpu, world_size=world_size, ddp_model=distributed.wrap(model, cpu) if ddp else None)
+                   backend=backend_for(cpu), world_size=world_size,
+                   ddp_model=distributed.wrap(model, cpu) if ddp else None)
 
 
 def _pair_batch(n, src_len, tgt_len, seed):

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from attnmt.backends import backend_for
 from attnmt.criterions import LabelSmoothedCrossEntropy, LabelSmoothedCrossEntropyConfig
 from attnmt.data.pairs import collate_pairs
 from attnmt.errors import UserError
@@ -27,8 +28,8 @@ def _model(seed=0):
 def _trainer(model, clip=0.0, precision="fp32"):
     crit = LabelSmoothedCrossEntropy(LabelSmoothedCrossEntropyConfig(0.1), PAD)
     opt = build_adam(AdamConfig(), model.parameters(), lr=1e-3)
-    return Trainer(model, crit, opt, FixedSchedule(FixedConfig(lr=1e-3)), device=torch.device("cpu"),
-                   precision=precision, clip_norm=clip)
+    return Trainer(model, crit, opt, FixedSchedule(FixedConfig(lr=1e-3)), backend=backend_for("cpu", precision),
+                   clip_norm=clip)
 
 
 def _sentences(n, seed):
