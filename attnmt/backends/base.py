@@ -142,6 +142,17 @@ class Backend:
         """Process-wide runtime settings for ``mode``; called once by a command. Returns what was set."""
         return {}
 
+    def collectives(self) -> str:
+        """The ``torch.distributed`` backend for this device's tensors."""
+        return "gloo"
+
+    def bind_process(self) -> None:
+        """Make this device the process's own (before joining a process group)."""
+
+    def ddp_device_ids(self) -> list[int] | None:
+        """``DistributedDataParallel``'s ``device_ids`` for a model on this device."""
+        return None
+
     def describe(self) -> str:
         return f"{self.device} ({self.name}), {self.precision}"
 

@@ -124,6 +124,15 @@ class CudaBackend(Backend):
     def host_staging(self) -> HostStaging:
         return HostStaging(pinned=True, sync=lambda: torch.cuda.synchronize(self.device))
 
+    def collectives(self) -> str:
+        return "nccl"
+
+    def bind_process(self) -> None:
+        torch.cuda.set_device(self.device)
+
+    def ddp_device_ids(self) -> list[int] | None:
+        return [self.device.index if self.device.index is not None else torch.cuda.current_device()]
+
     def describe(self) -> str:
         name = torch.cuda.get_device_name(self.device) if torch.cuda.is_available() else "CUDA"
         return f"{self.device} ({name}), {self.precision}"

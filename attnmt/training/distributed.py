@@ -38,6 +38,7 @@ from typing import Literal
 
 import torch
 
+from attnmt.backends.base import Backend
 from attnmt.errors import UserError
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: "preempted, checkpoint saved, run the same command again to resume"
@@ -130,11 +131,12 @@ class Env:
         return env
 
 
-def choose_backend(device: torch.device, requested: str = "auto") -> str:
-    """NCCL for CUDA tensors, gloo for CPU tensors; an explicit choice must fit the device."""
+def choose_backend(backend: Backend, requested: str = "auto") -> str:
+    """The collectives of the run's device (``Backend.collectives``: NCCL for CUDA tensors, gloo for CPU ones);
+    an explicit choice must fit the device."""
     if requested == "auto":
-        return "nccl" if device.type == "cuda" else "gloo"
-    if requested == "nccl" and device.type != "cuda":
+        return backend.collectives()
+    if requested == "nccl" and backend.collectives() != "nccl":
         raise UserError("--distributed-backend nccl needs CUDA GPUs; on the CPU use gloo (or leave it at auto)")
     return requested
 
@@ -203,7 +205,7 @@ def _process_state(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[0]
 
 
-def init(env: Env, device: torch.device, cfg: DistributedConfig) -> Peers:
+def init(env: Env, run_backend: Backend, cfg: DistributedConfig) -> Peers:
     """Join the process group (from torchrun's MASTER_ADDR/MASTER_PORT) and exchange hosts and pids.
 
     ``cfg.ddp_timeout`` becomes the timeout of every collective: with gloo a collective that waits longer
@@ -214,13 +216,13 @@ def init(env: Env, device: torch.device, cfg: DistributedConfig) -> Peers:
     if not dist.is_available():
         raise UserError("this PyTorch build has no torch.distributed; install a standard build to train on "
                         "several processes")
-    backend = choose_backend(device, cfg.distributed_backend)
+    backend = choose_backend(run_backend, cfg.distributed_backend)
+    device = run_backend.device
     if backend == "gloo" and not dist.is_gloo_available():
         raise UserError("this PyTorch build has no gloo backend; use --distributed-backend nccl on GPUs")
     if backend == "nccl" and not dist.is_nccl_available():
         raise UserError("this PyTorch build has no NCCL backend; use --distributed-backend gloo")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    run_backend.bind_process()
     if not dist.is_initialized():
         for key in ("MASTER_ADDR", "MASTER_PORT"):
             if key not in os.environ:
@@ -261,7 +263,7 @@ def shutdown() -> None:
 BUCKET_CAP_MB = 25
 
 
-def wrap(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+def wrap(model: torch.nn.Module, backend: Backend) -> torch.nn.Module:
     """DistributedDataParallel around ``model`` (whose parameters it broadcasts from rank 0).
 
     No buffer broadcast in forward: the only buffers are the sinusoid tables, identical on every rank by
@@ -281,7 +283,7 @@ def wrap(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     params = inspect.signature(DistributedDataParallel.__init__).parameters
     no_buffer_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in params  # torch >= 2.12 name
                       else {"broadcast_buffers": False})
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+    return DistributedDataParallel(model, device_ids=backend.ddp_device_ids(),
                                    bucket_cap_mb=BUCKET_CAP_MB, gradient_as_bucket_view=True, **no_buffer_sync)
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from attnmt import checkpoint
-from attnmt.backends import backend_for, resolve_precision, set_threads, training_device
+from attnmt.backends import Backend, backend_for, resolve_precision, set_threads, training_device
 from attnmt.checkpoint import resume as ckpts
 from attnmt.checkpoint.saver import CheckpointSaver
 from attnmt.config import to_dict
@@ -59,15 +59,15 @@ def train(data_bin: str | os.PathLike, setup: Setup, cfg: TrainConfig,
     t_start = time.perf_counter()
     set_threads(cfg.threads)
     device = training_device(cfg.local_rank, cfg.cpu)
-    precision = resolve_precision(cfg.precision, device, mode="train")
+    backend = backend_for(device, resolve_precision(cfg.precision, device, mode="train"))  # the run's one backend
     peers = None
     owns_group = False
     if cfg.world_size > 1:
         owns_group = not distributed.is_initialized()
-        peers = distributed.init(distributed.Env(cfg.rank, cfg.world_size, cfg.local_rank), device, dist_cfg)
+        peers = distributed.init(distributed.Env(cfg.rank, cfg.world_size, cfg.local_rank), backend, dist_cfg)
     try:
         with distributed.collective_errors(peers, dist_cfg.ddp_timeout, Path(cfg.save_dir)), _save_dir_lock(cfg):
-            return _train(data_bin, setup, cfg, extra_validators, dist_cfg, device, precision, t_start)
+            return _train(data_bin, setup, cfg, extra_validators, dist_cfg, backend, t_start)
     finally:
         if owns_group:
             distributed.shutdown()
@@ -87,8 +87,9 @@ def _save_dir_lock(cfg: TrainConfig):
 
 
 def _train(data_bin, setup: Setup, cfg: TrainConfig, extra_validators, dist_cfg: distributed.DistributedConfig,
-           device: torch.device, precision: str, t_start: float) -> dict:
+           backend: Backend, t_start: float) -> dict:
     seed_everything(cfg.seed)
+    device = backend.device
     save_dir = Path(cfg.save_dir)
     is_master = cfg.rank == 0
     stale: list[Path] = []
@@ -102,7 +103,6 @@ def _train(data_bin, setup: Setup, cfg: TrainConfig, extra_validators, dist_cfg:
     task = task_cls(setup.task_cfg, data_bin)
     model_name, model_cfg, notes = task.model_config(setup.arch, setup.model_overrides)
     model = task.build_model(model_name, model_cfg).to(device)
-    backend = backend_for(device, precision)
     backend.prepare_training(model, cfg.cpu_attention, cfg.compile)  # before the optimizer and DDP see the modules
     if cfg.world_size > 1:  # every rank built the same weights; from here on each draws its own dropout masks
         torch.manual_seed(cfg.seed + cfg.rank)
@@ -111,7 +111,7 @@ def _train(data_bin, setup: Setup, cfg: TrainConfig, extra_validators, dist_cfg:
     lr_scheduler = build_lr_scheduler(setup.lr_scheduler, setup.lr_scheduler_cfg)
     optimizer = build_optimizer(setup.optimizer, setup.optimizer_cfg, model.parameters(),
                                 lr=getattr(setup.lr_scheduler_cfg, "lr", 1e-3))
-    ddp_model = distributed.wrap(model, device) if cfg.world_size > 1 else None
+    ddp_model = distributed.wrap(model, backend) if cfg.world_size > 1 else None
     trainer = Trainer(model, criterion, optimizer, lr_scheduler, backend=backend,
                       clip_norm=cfg.clip_norm, world_size=cfg.world_size, ddp_model=ddp_model)
     max_positions = model.max_positions()
@@ -170,7 +170,7 @@ def _train(data_bin, setup: Setup, cfg: TrainConfig, extra_validators, dist_cfg:
 
         _report_start(log, task, setup, cfg, model, itr, skipped, valid_sets, trainer.backend, notes)
         if cfg.world_size > 1:
-            log.info(f"processes: {cfg.world_size} ({distributed.choose_backend(device, dist_cfg.distributed_backend)}"
+            log.info(f"processes: {cfg.world_size} ({distributed.choose_backend(backend, dist_cfg.distributed_backend)}"
                      f", one per {'GPU' if device.type == 'cuda' else 'CPU share'}), each on its own shard of the "
                      f"batches; collectives time out after --ddp-timeout {dist_cfg.ddp_timeout:g} s")
         with distributed.Preemption() as preemption:

@@ -166,11 +166,11 @@ def test_environment_device_and_backend():
         distributed.Env.from_environ({"WORLD_SIZE": "two"})
     cpu = torch.device("cpu")
     assert training_device(1, cpu=True) == cpu
-    assert distributed.choose_backend(cpu) == "gloo"
-    assert distributed.choose_backend(torch.device("cuda", 1)) == "nccl"
-    assert distributed.choose_backend(torch.device("cuda", 0), "gloo") == "gloo"
+    assert distributed.choose_backend(backend_for(cpu)) == "gloo"
+    assert distributed.choose_backend(backend_for(torch.device("cuda", 1))) == "nccl"
+    assert distributed.choose_backend(backend_for(torch.device("cuda", 0)), "gloo") == "gloo"
     with pytest.raises(UserError, match="nccl needs CUDA"):
-        distributed.choose_backend(cpu, "nccl")
+        distributed.choose_backend(backend_for(cpu), "nccl")
 
 
 def test_preemption_signals_set_a_flag_and_the_old_handlers_come_back():
@@ -245,7 +245,7 @@ def _tiny_trainer(world_size=1, ddp=False):
     return Trainer(model, LabelSmoothedCrossEntropy(LabelSmoothedCrossEntropyConfig(0.1), 1),
                    build_adam(AdamConfig(), model.parameters(), lr=1e-3), FixedSchedule(FixedConfig(lr=1e-3)),
                    backend=backend_for(cpu), world_size=world_size,
-                   ddp_model=distributed.wrap(model, cpu) if ddp else None)
+                   ddp_model=distributed.wrap(model, backend_for(cpu)) if ddp else None)
 
 
 def _pair_batch(n, src_len, tgt_len, seed):
