@@ -142,6 +142,13 @@ class Backend:
         """Process-wide runtime settings for ``mode``; called once by a command. Returns what was set."""
         return {}
 
+    def device_rng_state(self):
+        """The device's own random generators' state for a checkpoint (None: the CPU's generator is all)."""
+        return None
+
+    def set_device_rng_state(self, state) -> None:
+        """Restore what :meth:`device_rng_state` gave (where this device has such generators)."""
+
     def collectives(self) -> str:
         """The ``torch.distributed`` backend for this device's tensors."""
         return "gloo"

@@ -36,6 +36,8 @@ What it decides, once per run:
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -123,6 +125,13 @@ class CudaBackend(Backend):
 
     def host_staging(self) -> HostStaging:
         return HostStaging(pinned=True, sync=lambda: torch.cuda.synchronize(self.device))
+
+    def device_rng_state(self):
+        return torch.cuda.get_rng_state_all()
+
+    def set_device_rng_state(self, state) -> None:
+        with contextlib.suppress(RuntimeError):  # a different number of visible GPUs
+            torch.cuda.set_rng_state_all(state)
 
     def collectives(self) -> str:
         return "nccl"

@@ -21,8 +21,9 @@ from attnmt.errors import UserError
 # ---------------------------------------------------------------------------------------------------- RNG
 
 
-def rng_state() -> dict:
-    """Python, numpy, torch CPU (and CUDA) generator states as tensors/plain containers."""
+def rng_state(backend=None) -> dict:
+    """Python, numpy, torch CPU and the run's device (``backend.device_rng_state()``: the GPUs') generator states
+    as tensors/plain containers."""
     version, mt, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
@@ -30,21 +31,20 @@ def rng_state() -> dict:
         "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
                   "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "cuda": backend.device_rng_state() if backend is not None else None,
     }
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict, backend=None) -> None:
     py = state["python"]
     random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
     nps = state["numpy"]
     np.random.set_state((nps["name"], nps["keys"].numpy().astype(np.uint32), nps["pos"], nps["has_gauss"],
                          nps["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        with contextlib.suppress(RuntimeError):  # a different number of visible GPUs
-            torch.cuda.set_rng_state_all(state["cuda"])
+    if state.get("cuda") is not None and backend is not None:
+        backend.set_device_rng_state(state["cuda"])
 
 
 # ---------------------------------------------------------------------------------------------------- files

@@ -243,7 +243,7 @@ def _run(trainer: Trainer, task, setup: Setup, cfg: TrainConfig, model_name: str
         """Every rank calls this with the same names (its RNG state goes to rank 0); rank 0 writes."""
         if not names:
             return
-        rng_by_rank = distributed.gather_to_master(ckpts.rng_state())
+        rng_by_rank = distributed.gather_to_master(ckpts.rng_state(trainer.backend))
         if not is_master:
             return
         state = build_state(trainer, setup, cfg, model_name, model_cfg, data_state, itr, best, train_time(),

@@ -25,7 +25,7 @@ def build_state(trainer: Trainer, setup: Setup, cfg: TrainConfig, model_name: st
                 data_state: DataSection, itr: EpochBatchIterator, best: Best, train_time: float,
                 rng_by_rank: list[dict] | None = None) -> dict:
     """The checkpoint dict (see attnmt.checkpoint); ``rng_by_rank``: every rank's RNG state, rank order."""
-    rng_by_rank = rng_by_rank or [ckpts.rng_state()]
+    rng_by_rank = rng_by_rank or [ckpts.rng_state(trainer.backend)]
     return {
         "format": checkpoint.FORMAT, "version": checkpoint.VERSION,
         "model_name": model_name, "arch": setup.arch, "model_config": to_dict(model_cfg),
@@ -86,7 +86,7 @@ def resume(path: Path, cfg: TrainConfig, setup: Setup, trainer: Trainer, itr: Ep
     if saved_world != cfg.world_size:
         log.info(f"note: {path} was written by {saved_world} process(es), now {cfg.world_size}: a rank without a "
                  f"saved random state continues from rank 0's")
-    ckpts.set_rng_state(rank_rng(tstate, cfg.rank))
+    ckpts.set_rng_state(rank_rng(tstate, cfg.rank), trainer.backend)
     log.info(f"resumed from {path}: update {trainer.num_updates}, epoch {itr.epoch}, "
              f"batch {itr.offset}/{len(itr)} of the epoch")
     return float(tstate.get("train_time", 0.0))
