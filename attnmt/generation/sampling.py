@@ -10,14 +10,10 @@ from torch import Tensor
 
 from attnmt.generation.search import (
     NEG_INF,
-    Finished,
     Hypothesis,
     SearchConfig,
     SearchStrategy,
     Symbols,
-    finalize,
-    max_lengths,
-    max_target_positions,
     start_rows,
     step_log_probs,
 )
@@ -46,14 +42,6 @@ class SamplingConfig:
 
 def _options(cfg: SearchConfig) -> SamplingConfig:
     return SamplingConfig() if cfg.options is None else cfg.options
-
-
-@register("search", "sampling", config=SamplingConfig)
-class Sampling(SearchStrategy):
-    """--beam samples per sentence (Gumbel-max over the filtered, tempered distribution), the nbest best kept."""
-
-    def __call__(self, model, src_tokens, src_lengths, sym, sample_ids=None, kernels=DecodingKernels()):
-        return sample_search(model, src_tokens, src_lengths, self.cfg, sym, sample_ids, kernels=kernels)
 
 
 _M32 = 0xFFFFFFFF
@@ -97,52 +85,50 @@ def _filter_logits(logits: Tensor, topk: int, topp: float) -> Tensor:
     return logits
 
 
-@torch.inference_mode()
+@register("search", "sampling", config=SamplingConfig)
+class Sampling(SearchStrategy):
+    """--beam samples per sentence (Gumbel-max over the filtered, tempered distribution), the nbest best kept.
+
+    Each sample is a unit of one row of the search loop: it draws one token per step and ends at its EOS.
+    Randomness is a hash of (``--seed``, sentence id, sample number, step, token), so a sentence's samples are
+    the same however the input is batched. Scores are the model's log-probabilities (``--unkpen`` applied, no
+    temperature) under the length penalty.
+    """
+
+    @property
+    def units_per_sentence(self) -> int:
+        return self.cfg.beam
+
+    def rows_per_unit(self) -> int:
+        return 1
+
+    def kept_per_sentence(self) -> int:
+        return self.cfg.beam
+
+    def start(self, model, src_tokens, src_lengths, kernels, sample_ids):
+        B, K, dev = src_tokens.size(0), self.cfg.beam, src_tokens.device
+        ids = torch.arange(B, device=dev) if sample_ids is None else sample_ids.to(dev).long()
+        self.opts = _options(self.cfg)
+        self.keys = _sample_keys(self.opts.seed, ids.repeat_interleave(K), torch.arange(K, device=dev).repeat(B))
+        return start_rows(model, src_tokens, src_lengths, K, kernels)
+
+    def candidates(self, model, tokens, step, enc, cache, max_len, scores, sym, kernels):
+        logits = model.decode(tokens[:, step:step + 1], enc, cache)[:, -1]
+        lprobs = step_log_probs(logits, step, max_len, tokens[:, 1:step + 1], self.cfg, sym)
+        filtered = _filter_logits(lprobs / self.opts.temperature, self.opts.sampling_topk, self.opts.sampling_topp)
+        choice = (filtered + _gumbel_noise(self.keys, step, lprobs.size(1))).argmax(dim=1)
+        lp = lprobs.gather(1, choice[:, None])[:, 0]
+        return (scores + lp)[:, None], lp[:, None], torch.zeros_like(choice)[:, None], choice[:, None]
+
+    def done(self, step, best, fin, max_len, kth_best):
+        return fin[:, 0]  # a sample ends with its EOS
+
+    def keep_units(self, keep):
+        self.keys = self.keys[keep]
+
+
 def sample_search(model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: Tensor, cfg: SearchConfig, sym: Symbols,
                   sample_ids: Tensor | None = None,
                   kernels: DecodingKernels = DecodingKernels()) -> list[list[Hypothesis]]:
-    """Draw ``cfg.beam`` samples per sentence (Gumbel-max over the filtered, tempered distribution).
-
-    Randomness is a hash of (``--seed``, sentence id, sample number, step, token), so a sentence's samples are
-    the same however the input is batched. Scores are the model's log-probabilities (``--unkpen`` applied, no
-    temperature) under the length penalty; the ``nbest`` best samples are returned.
-    """
-    dev = src_tokens.device
-    B, K = src_tokens.size(0), cfg.beam
-    ids = torch.arange(B, device=dev) if sample_ids is None else sample_ids.to(dev).long()
-    max_len = max_lengths(src_lengths.to(dev), cfg, max_target_positions(model)).repeat_interleave(K)
-    enc, cache = start_rows(model, src_tokens, src_lengths, K, kernels)
-    R = B * K
-    opts = _options(cfg)
-    keys = _sample_keys(opts.seed, ids.repeat_interleave(K), torch.arange(K, device=dev).repeat(B))
-    T = int(max_len.max()) + 2
-    tokens = torch.full((R, T), sym.eos, dtype=torch.long, device=dev)
-    pos_scores = torch.zeros((R, T), dtype=torch.float32, device=dev)
-    scores = torch.zeros((R,), device=dev)
-    row_sent = [r // K for r in range(R)]
-    finished = Finished(B, K)
-    unused = torch.full((R,), NEG_INF, device=dev)
-    for step in range(T - 1):
-        logits = model.decode(tokens[:, step:step + 1], enc, cache)[:, -1]
-        lprobs = step_log_probs(logits, step, max_len, tokens[:, 1:step + 1], cfg, sym)
-        filtered = _filter_logits(lprobs / opts.temperature, opts.sampling_topk, opts.sampling_topp)
-        choice = (filtered + _gumbel_noise(keys, step, lprobs.size(1))).argmax(dim=1)
-        lp = lprobs.gather(1, choice[:, None])[:, 0]
-        new_s = scores + lp
-        is_eos = choice == sym.eos
-        if bool(is_eos.any()):
-            rows = is_eos.nonzero(as_tuple=True)[0]
-            finalize(finished, unused, row_sent, rows, rows, tokens, pos_scores, step, lp[rows], new_s[rows],
-                      cfg.length_penalty, sym.eos)
-            keep = (~is_eos).nonzero(as_tuple=True)[0]
-            if keep.numel() == 0:
-                break
-            choice, lp, new_s, keys, max_len = choice[keep], lp[keep], new_s[keep], keys[keep], max_len[keep]
-            row_sent = [row_sent[i] for i in keep.tolist()]
-            unused = unused[keep]
-            tokens, pos_scores = tokens[keep], pos_scores[keep]
-            enc, cache = model.reorder(enc, cache, keep, keep)
-        tokens[:, step + 1] = choice
-        pos_scores[:, step] = lp
-        scores = new_s
-    return [h[: cfg.nbest] for h in finished.hyps]
+    """Draw ``cfg.beam`` samples per sentence and return the ``nbest`` best of each (:class:`Sampling`)."""
+    return Sampling(cfg)(model, src_tokens, src_lengths, sym, sample_ids, kernels)

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import bisect
 import math
-from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -455,18 +454,138 @@ def start_rows(model, src_tokens: Tensor, src_lengths: Tensor, copies: int, kern
     return enc, cache
 
 
-class SearchStrategy(ABC):
+Extensions = tuple[Tensor, Tensor, Tensor, Tensor]  # per unit (A, C): cumulative score, token log-prob, row, token
+
+
+class SearchStrategy:
     """A way to search: registered as ``@register("search", NAME, config=ITS_OPTIONS)`` and chosen with ``--search
-    NAME``; its own options arrive as ``cfg.options`` (an instance of its config, or None for the defaults)."""
+    NAME``; its own options arrive as ``cfg.options`` (an instance of its config, or None for the defaults).
+
+    Every strategy runs the one search loop (:meth:`__call__`, :func:`run_search`); a strategy says how a step
+    extends the hypotheses and when they end. The loop keeps **units** of ``rows_per_unit()`` hypotheses (a beam;
+    ``units_per_sentence`` units per sentence: samples are units of one row each), and at every step asks for
+    each unit's candidate extensions, best first (:meth:`candidates`): the EOS ones finish a hypothesis, the
+    first ``rows_per_unit()`` others stay live, and a unit leaves the batch when :meth:`done` says its n-best list
+    can no longer change. A new strategy needs only :meth:`step` (candidates from the step's log-probabilities);
+    the built-in ones override :meth:`candidates` with faster paths and :meth:`done` with their stopping rules.
+    """
+
+    units_per_sentence = 1
 
     def __init__(self, cfg: SearchConfig):
         self.cfg = cfg
 
-    @abstractmethod
+    def rows_per_unit(self) -> int:
+        """Live hypotheses per unit (the beam)."""
+        return self.cfg.beam
+
+    def kept_per_sentence(self) -> int:
+        """Finished hypotheses kept per sentence while searching (the ``nbest`` best are returned)."""
+        return self.cfg.nbest
+
+    def start(self, model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: Tensor, kernels: DecodingKernels,
+              sample_ids: Tensor | None):
+        """The encoder output and the decoder cache for the batch's units (and the strategy's own state)."""
+        return model.encode(src_tokens, src_lengths), model.new_cache(self.rows_per_unit(), kernels)
+
+    def candidates(self, model: EncoderDecoderModel, tokens: Tensor, step: int, enc, cache, max_len: Tensor,
+                   scores: Tensor, sym: Symbols, kernels: DecodingKernels) -> Extensions:
+        """Decode step ``step`` (column ``step`` of ``tokens`` (R, T) holds each row's newest token) and return
+        every unit's candidate extensions (:meth:`step` of the log-probabilities under the search's rules)."""
+        logits = model.decode(tokens[:, step:step + 1], enc, cache)[:, -1]
+        lprobs = step_log_probs(logits, step, max_len, tokens[:, 1:step + 1], self.cfg, sym)
+        return self.step(step, lprobs, scores)
+
+    def step(self, step: int, lprobs: Tensor, scores: Tensor) -> Extensions:
+        """For ``lprobs`` (A * K, V), the next token's log-probabilities of each unit's K rows (consecutive), and
+        their cumulative ``scores`` (A * K,): each unit's C candidate extensions, best first, as (A, C) tensors:
+        the extended cumulative score, the token's log-probability, the row extended (0..K-1) and the token.
+        Among them at least K that are not EOS, or the unit's search ends."""
+        raise NotImplementedError(f"{type(self).__name__} defines neither step() nor candidates()")
+
+    def finishing(self, fin: Tensor) -> Tensor:
+        """Which EOS candidates (``fin``, (A, C) bool) finish a hypothesis (all of them by default)."""
+        return fin
+
+    def done(self, step: int, best: Tensor, fin: Tensor, max_len: Tensor, kth_best: Tensor) -> Tensor:
+        """(A,) bool: the units whose n-best list can no longer change, given each unit's ``best`` live cumulative
+        score (after ``step + 1`` tokens), the candidates that finished, the length limits and the score a live
+        hypothesis must beat (the exact bound of "Early stopping" above)."""
+        bonus = max(0.0, -self.cfg.unkpen)
+        return score_upper_bound(best, step + 1, max_len, self.cfg.length_penalty, bonus) <= kth_best
+
+    def keep_units(self, keep: Tensor) -> None:
+        """The units ``keep`` stay (in that order): drop the strategy's state of the others."""
+
     def __call__(self, model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: Tensor, sym: Symbols,
                  sample_ids: Tensor | None = None,
                  kernels: DecodingKernels = DecodingKernels()) -> list[list[Hypothesis]]:
         """Per sentence of the right-padded batch, its ``cfg.nbest`` hypotheses, best first."""
+        return run_search(self, model, src_tokens, src_lengths, sym, sample_ids, kernels)
+
+
+@torch.inference_mode()
+def run_search(strategy: SearchStrategy, model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: Tensor,
+               sym: Symbols, sample_ids: Tensor | None = None,
+               kernels: DecodingKernels = DecodingKernels()) -> list[list[Hypothesis]]:
+    """The search loop every strategy runs (see :class:`SearchStrategy`).
+
+    Each step takes the units' candidate extensions: the EOS ones (those the strategy lets finish) become
+    finished hypotheses, the first K others of each unit stay live (a unit's rows continue rows of the same
+    unit), and the units whose n-best list is final leave the batch (their rows of encoder output and cache are
+    dropped); the search ends when none is left or at the longest length limit.
+    """
+    cfg = strategy.cfg
+    dev = src_tokens.device
+    B, U, K = src_tokens.size(0), strategy.units_per_sentence, strategy.rows_per_unit()
+    A = B * U
+    max_len = max_lengths(src_lengths.to(dev), cfg, max_target_positions(model))  # per unit
+    if U > 1:
+        max_len = max_len.repeat_interleave(U)
+    enc, cache = strategy.start(model, src_tokens, src_lengths, kernels, sample_ids)
+    T = int(max_len.max()) + 2
+    tokens = torch.full((A * K, T), sym.eos, dtype=torch.long, device=dev)  # column 0: the decoder's start EOS
+    pos_scores = torch.zeros((A * K, T), dtype=torch.float32, device=dev)
+    scores = torch.full((A, K), NEG_INF, device=dev)
+    scores[:, 0] = 0.0  # a unit's rows start identical: keep only the first one alive at step 0
+    kth_best = torch.full((A,), NEG_INF, device=dev)
+    sent_ids = [a // U for a in range(A)]
+    finished = Finished(B, strategy.kept_per_sentence())
+    arange_a = torch.arange(A, device=dev)
+    for step in range(T - 1):
+        row_max_len = max_len.repeat_interleave(K) if K > 1 else max_len
+        top_s, top_lp, beam_i, tok = strategy.candidates(model, tokens, step, enc, cache, row_max_len,
+                                                         scores.view(-1), sym, kernels)  # (A, C) each
+        is_eos = tok == sym.eos
+        fin = strategy.finishing(is_eos & (top_s > NEG_INF))
+        if bool(fin.any()):
+            local, c = fin.nonzero(as_tuple=True)
+            finalize(finished, kth_best, sent_ids, local, local * K + beam_i[local, c], tokens, pos_scores, step,
+                     top_lp[local, c], top_s[local, c], cfg.length_penalty, sym.eos)
+        C = top_s.size(1)
+        sel = (is_eos.long() * C + torch.arange(C, device=dev)).topk(K, dim=1, largest=False).indices
+        new_s, new_tok, new_lp = top_s.gather(1, sel), tok.gather(1, sel), top_lp.gather(1, sel)
+        src_rows = (arange_a * K)[:, None] + beam_i.gather(1, sel)
+        done = strategy.done(step, new_s[:, 0], fin, max_len, kth_best)
+        keep = None
+        if bool(done.any()):
+            keep = (~done).nonzero(as_tuple=True)[0]
+            if keep.numel() == 0:
+                break
+            src_rows, new_s, new_tok, new_lp = src_rows[keep], new_s[keep], new_tok[keep], new_lp[keep]
+            kth_best, max_len = kth_best[keep], max_len[keep]
+            strategy.keep_units(keep)
+            sent_ids = [sent_ids[i] for i in keep.tolist()]
+            A = keep.numel()
+            arange_a = torch.arange(A, device=dev)
+        order = src_rows.reshape(-1)
+        if K > 1 or keep is not None:  # with one row per unit and none leaving, every row continues itself
+            tokens, pos_scores = tokens[order], pos_scores[order]
+            enc, cache = model.reorder(enc, cache, order, keep)
+        tokens[:, step + 1] = new_tok.reshape(-1)
+        pos_scores[:, step] = new_lp.reshape(-1)
+        scores = new_s
+    return [h[: cfg.nbest] for h in finished.hyps]
 
 
 def search(model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: Tensor, cfg: SearchConfig, sym: Symbols,

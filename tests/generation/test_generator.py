@@ -594,3 +594,38 @@ def test_search_strategy_from_user_dir(ckpt, tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "--early-stop is an option of --search beam, not of --search first_tokens" in r.stderr
+
+
+STEP_PLUGIN = '''
+import torch
+
+from attnmt.generation.search import SearchStrategy
+from attnmt.registry import register
+
+
+@register("search", "step_greedy")
+class StepGreedy(SearchStrategy):
+    """Greedy decoding written as a step only: the two best tokens of each row."""
+
+    def rows_per_unit(self):
+        return 1
+
+    def step(self, step, lprobs, scores):
+        lp, tok = lprobs.topk(2, dim=1)
+        return scores[:, None] + lp, lp, torch.zeros_like(tok), tok
+'''
+
+
+def test_a_search_plugin_with_a_step_function_only_runs_the_one_search_loop(ckpt, tmp_path):
+    """A strategy that defines only ``step`` gets the loop's finishing, early stop and reordering: written as
+    greedy decoding, it translates as --beam 1 does."""
+    plugin = tmp_path / "step_greedy.py"
+    plugin.write_text(STEP_PLUGIN)
+    stdin = "\n".join(SENTENCES[:6]) + "\n"
+    r = subprocess.run([sys.executable, "-m", "attnmt.cli", "--user-dir", str(plugin), "translate", "--path",
+                        str(ckpt), "--search", "step_greedy"], input=stdin, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    greedy = subprocess.run([sys.executable, "-m", "attnmt.cli", "translate", "--path", str(ckpt), "--beam", "1"],
+                            input=stdin, capture_output=True, text=True)
+    assert greedy.returncode == 0, greedy.stderr
+    assert r.stdout.splitlines() == greedy.stdout.splitlines() and len(greedy.stdout.splitlines()) == 6
