@@ -15,12 +15,11 @@ Logged figures follow fairseq's convention so that numbers can be compared with 
 from __future__ import annotations
 
 import math
-from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from attnmt.backends.kernels import LossKernel, Projection
 from attnmt.models.interface import unwrap
 from attnmt.registry import register
 
@@ -91,25 +90,6 @@ def _loss_rows(logits: torch.Tensor, target: torch.Tensor, epsilon: float, lp_y:
             torch.sum(lp, dim=-1, keepdim=True, out=lp_sum[rows])
         if grad is not None:
             torch.exp(lp, out=grad[rows]).sub_(epsilon / vocab)
-
-
-Projection = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (a, b) -> a @ b^T
-
-
-class LossKernel(ABC):
-    """A compiled form of the loss's pass over the logits (the CPU backend's, ``attnmt/backends/native.py``):
-    what :func:`_loss_rows` and the target's term compute, in one call."""
-
-    @abstractmethod
-    def supports(self, logits: torch.Tensor) -> bool:
-        """Whether :meth:`smoothed_rows` takes these logits (device, dtype, layout)."""
-
-    @abstractmethod
-    def smoothed_rows(self, logits: torch.Tensor, target: torch.Tensor, epsilon: float, lp_y: torch.Tensor,
-                      lp_sum: torch.Tensor, grad: torch.Tensor | None) -> None:
-        """For logits (R, V) and target (R,): ``lp_y`` (R values) = log p(y), ``lp_sum`` = sum_v log p(v) (fp32),
-        and when ``grad`` (R, V, the logits' dtype; may be ``logits`` itself) is given, the whole gradient
-        ``softmax - q`` of the smoothed loss, the target's ``- (1 - eps)`` included."""
 
 
 def _smoothed_rows(logits: torch.Tensor, target: torch.Tensor, epsilon: float, lp_y: torch.Tensor,

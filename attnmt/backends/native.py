@@ -50,8 +50,7 @@ import torch
 from torch import Tensor
 
 from attnmt.backends.capabilities import CpuCapabilities
-from attnmt.criterions import LossKernel
-from attnmt.models.interface import DropoutMasks, ScoreKernel, StepAttention, StepRows, TrainingAttention
+from attnmt.backends.kernels import DropoutMasks, LossKernel, ScoreKernel, StepAttention, StepRows, TrainingAttention
 from attnmt.models.packing import SentenceRows
 
 SWITCH = "ATTNMT_CPU_KERNELS"
@@ -284,7 +283,7 @@ def _takes_rows(x: Tensor, functions: dict) -> bool:
 
 
 class CompiledStepAttention(StepAttention):
-    """:class:`~attnmt.models.interface.StepAttention` by the compiled kernel (fp32 and bf16 queries); it runs
+    """:class:`~attnmt.backends.kernels.StepAttention` by the compiled kernel (fp32 and bf16 queries); it runs
     on ``torch.get_num_threads()`` threads, as PyTorch's own kernels do."""
 
     def __init__(self, library: ctypes.CDLL):
@@ -338,7 +337,7 @@ class CompiledStepAttention(StepAttention):
 
 
 class CompiledScores(ScoreKernel):
-    """:class:`~attnmt.models.interface.ScoreKernel` by the compiled kernel (fp32 and bf16 logits), on
+    """:class:`~attnmt.backends.kernels.ScoreKernel` by the compiled kernel (fp32 and bf16 logits), on
     ``torch.get_num_threads()`` threads."""
 
     def __init__(self, library: ctypes.CDLL):
@@ -361,7 +360,7 @@ class CompiledScores(ScoreKernel):
 
 
 class CompiledSmoothedLoss(LossKernel):
-    """:class:`~attnmt.criterions.LossKernel` by the compiled kernel (fp32 and bf16 logits), on
+    """:class:`~attnmt.backends.kernels.LossKernel` by the compiled kernel (fp32 and bf16 logits), on
     ``torch.get_num_threads()`` threads."""
 
     def __init__(self, library: ctypes.CDLL):
@@ -432,7 +431,7 @@ class _FusedAttention(torch.autograd.Function):
 
 
 class CompiledTrainingAttention(TrainingAttention):
-    """:class:`~attnmt.models.interface.TrainingAttention` by the compiled kernel (fp32), on
+    """:class:`~attnmt.backends.kernels.TrainingAttention` by the compiled kernel (fp32), on
     ``torch.get_num_threads()`` threads."""
 
     def __init__(self, library: ctypes.CDLL):
@@ -472,7 +471,7 @@ class CompiledTrainingAttention(TrainingAttention):
 
 
 class CompiledDropout(DropoutMasks):
-    """:class:`~attnmt.models.interface.DropoutMasks` by the compiled kernel (fp32 and bf16), on
+    """:class:`~attnmt.backends.kernels.DropoutMasks` by the compiled kernel (fp32 and bf16), on
     ``torch.get_num_threads()`` threads."""
 
     def __init__(self, library: ctypes.CDLL):

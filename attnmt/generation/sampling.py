@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from attnmt.backends.kernels import DecodingKernels
 from attnmt.generation.search import (
     NEG_INF,
     Hypothesis,
@@ -17,7 +18,7 @@ from attnmt.generation.search import (
     start_rows,
     step_log_probs,
 )
-from attnmt.models.interface import DecodingKernels, EncoderDecoderModel
+from attnmt.models.interface import EncoderDecoderModel
 from attnmt.registry import register
 
 

@@ -44,7 +44,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from attnmt.models.interface import DecodingKernels, EncoderDecoderModel
+from attnmt.backends.kernels import DecodingKernels
+from attnmt.models.interface import EncoderDecoderModel
 
 NEG_INF = float("-inf")
 

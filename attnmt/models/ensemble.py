@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from attnmt.models.interface import DecodingKernels, EncoderDecoderModel
+from attnmt.backends.kernels import DecodingKernels
+from attnmt.models.interface import EncoderDecoderModel
 
 
 @dataclass

@@ -35,11 +35,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from attnmt.backends.kernels import DecodingKernels, TrainingAttention
 from attnmt.errors import UserError
 from attnmt.models.dropout import Dropout
 from attnmt.models.dropout import dropout as dropout_weights
 from attnmt.models.incremental import SlotCache
-from attnmt.models.interface import DecoderCache, DecodingKernels, EncoderDecoderModel, LayerCache, TrainingAttention
+from attnmt.models.interface import DecoderCache, EncoderDecoderModel, LayerCache
 from attnmt.models.linear import AttentionKernel, DropoutKernel, Linear
 from attnmt.models.packing import PackedRows, RowPacking, SentenceRows, is_prefix
 from attnmt.registry import register, register_arch
