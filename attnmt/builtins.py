@@ -5,6 +5,7 @@ import attnmt.criterions  # noqa: F401
 import attnmt.data.subword  # noqa: F401
 import attnmt.generation.beam  # noqa: F401
 import attnmt.generation.sampling  # noqa: F401
+import attnmt.models.architectures  # noqa: F401
 import attnmt.models.transformer  # noqa: F401
 import attnmt.optim  # noqa: F401
 import attnmt.registry  # noqa: F401

@@ -14,6 +14,7 @@ from attnmt.cli import main
 from attnmt.config import make_config, to_dict
 from attnmt.data.dictionary import Dictionary
 from attnmt.errors import UserError
+from attnmt.models.attention_maps import attention_weights, decode_with_cross_attention
 from attnmt.models.transformer import MultiHeadAttention, TransformerConfig, TransformerModel, key_padding_mask
 
 mpimg = pytest.importorskip("matplotlib.image")
@@ -88,7 +89,7 @@ def test_explicit_weights_recompute_the_fused_attention_output():
     q = mha.project_q(h)
     k, v = mha.project_kv(memory)
     fast = mha.attend(q, k, v, mask=mask)
-    w = mha.attention_weights(q, k, mask)
+    w = attention_weights(q, k, mask)
     assert (fast - mha.combine_heads(torch.matmul(w, v))).abs().max() < 1e-5
     # and by hand: softmax(q k^T / sqrt(d_k)) over the real keys only
     scores = torch.einsum("bhtd,bhsd->bhts", q, k) / math.sqrt(8)
@@ -103,7 +104,7 @@ def test_analysis_path_gives_the_fast_path_logits(pre_norm):
     with torch.no_grad():
         enc = model.encode(src, lengths)
         fast = model.decode(prev, enc)
-        logits, weights = model.decode_with_cross_attention(prev, enc)
+        logits, weights = decode_with_cross_attention(model, prev, enc)
     real = prev.ne(PAD)
     assert (fast - logits)[real].abs().max() < 1e-5
     assert torch.equal(weights, model.cross_attention_weights(src, lengths, prev))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
@@ -118,13 +118,18 @@ class EncoderDecoderModel(nn.Module, ABC):
     def max_positions(self) -> tuple[int, int]:
         """(source, target) length limits in tokens."""
 
-    @abstractmethod
-    def cross_attention_weights(self, src_tokens: Tensor, src_lengths: Tensor, prev_output_tokens: Tensor) -> Tensor:
-        """Encoder-decoder attention weights (B, L, H, T, S) of every decoder layer and head, in eval mode."""
-
     def num_parameters(self) -> int:
         """Trainable parameters, a shared matrix counted once."""
         return sum(p.numel() for p in self.parameters())
+
+
+@runtime_checkable
+class AttentionMaps(Protocol):
+    """What a model offers for attention heat maps (``attnmt plot``), where it does: not part of the contract a
+    model family must implement."""
+
+    def cross_attention_weights(self, src_tokens: Tensor, src_lengths: Tensor, prev_output_tokens: Tensor) -> Tensor:
+        """Encoder-decoder attention weights (B, L, H, T, S) of every decoder layer and head, in eval mode."""
 
 
 def unwrap(model: nn.Module) -> EncoderDecoderModel:

@@ -10,9 +10,10 @@ Read top to bottom, the file follows the paper:
 * 3.1   encoder and decoder stacks  -> ``EncoderLayer``, ``DecoderLayer``, ``TransformerEncoder``, ``TransformerDecoder``
 * 3.2.3 uses of attention: padding masks for encoder self-attention and encoder-decoder attention, a causal
   mask for decoder self-attention -> ``key_padding_mask`` and ``is_causal`` in the decoder
-* the model, its config, its named architectures (Table 3 rows) -> ``TransformerModel``, ``TransformerConfig``
-* analysis: the encoder-decoder attention weights written out (SDPA does not return them), for attention
-  heat maps -> ``MultiHeadAttention.attention_weights``, ``TransformerModel.cross_attention_weights``
+* the model and its config -> ``TransformerModel``, ``TransformerConfig`` (its named architectures, the Table 3
+  rows and fairseq's names, in ``models/architectures.py``)
+* analysis: the encoder-decoder attention weights written out (SDPA does not return them), for attention heat
+  maps, live in ``models/attention_maps.py``
 
 Label smoothing (5.4) belongs to the training criterion, not to the model.
 
@@ -43,7 +44,7 @@ from attnmt.models.incremental import SlotCache
 from attnmt.models.interface import DecoderCache, EncoderDecoderModel, LayerCache
 from attnmt.models.linear import AttentionKernel, DropoutKernel, Linear
 from attnmt.models.packing import PackedRows, RowPacking, SentenceRows, is_prefix
-from attnmt.registry import register, register_arch
+from attnmt.registry import register
 
 # ------------------------------------------------------------------------------------------------ config
 
@@ -112,81 +113,6 @@ class TransformerConfig:
 def _divisor_hint(dim: int, heads: int) -> int:
     """The divisor of ``dim`` closest to ``heads``, to suggest in an error message."""
     return min((h for h in range(1, dim + 1) if dim % h == 0), key=lambda h: (abs(h - heads), h))
-
-
-# --------------------------------------------------------------------------------- named architectures
-
-
-@register_arch("transformer", model="transformer")
-def transformer_base() -> dict:
-    """Transformer base (Vaswani et al. 2017, Table 3 'base'): 6+6 layers, d 512, d_ff 2048, 8 heads."""
-    return dict(encoder_layers=6, decoder_layers=6, encoder_embed_dim=512, decoder_embed_dim=512,
-                encoder_ffn_embed_dim=2048, decoder_ffn_embed_dim=2048, encoder_attention_heads=8,
-                decoder_attention_heads=8, dropout=0.1)
-
-
-@register_arch("transformer_big", model="transformer")
-def transformer_big() -> dict:
-    """Transformer big (Table 3 'big'): 6+6 layers, d 1024, d_ff 4096, 16 heads, dropout 0.3 (EN-DE)."""
-    return dict(transformer_base(), encoder_embed_dim=1024, decoder_embed_dim=1024, encoder_ffn_embed_dim=4096,
-                decoder_ffn_embed_dim=4096, encoder_attention_heads=16, decoder_attention_heads=16, dropout=0.3)
-
-
-@register_arch("transformer_iwslt_de_en", model="transformer")
-def transformer_iwslt_de_en() -> dict:
-    """Small model for IWSLT'14 De-En (fairseq's recipe): 6+6 layers, d 512, d_ff 1024, 4 heads, dropout 0.3."""
-    return dict(transformer_base(), encoder_ffn_embed_dim=1024, decoder_ffn_embed_dim=1024,
-                encoder_attention_heads=4, decoder_attention_heads=4, dropout=0.3)
-
-
-@register_arch("transformer_small", model="transformer")
-def transformer_small() -> dict:
-    """Multi30k-sized model for CPU training: 3+3 layers, d 256, d_ff 1024, 4 heads, dropout 0.3, shared embeddings."""
-    return dict(encoder_layers=3, decoder_layers=3, encoder_embed_dim=256, decoder_embed_dim=256,
-                encoder_ffn_embed_dim=1024, decoder_ffn_embed_dim=1024, encoder_attention_heads=4,
-                decoder_attention_heads=4, dropout=0.3, share_all_embeddings=True)
-
-
-# fairseq's names for the same models, so that a fairseq command line runs unchanged (fairseq 0.12's presets)
-
-
-@register_arch("transformer_wmt_en_de", model="transformer")
-def transformer_wmt_en_de() -> dict:
-    """fairseq's name for the Transformer base (= transformer)."""
-    return transformer_base()
-
-
-@register_arch("transformer_vaswani_wmt_en_de_big", model="transformer")
-def transformer_vaswani_wmt_en_de_big() -> dict:
-    """fairseq's name for the Transformer big, EN-DE (= transformer_big: dropout 0.3)."""
-    return transformer_big()
-
-
-@register_arch("transformer_vaswani_wmt_en_fr_big", model="transformer")
-def transformer_vaswani_wmt_en_fr_big() -> dict:
-    """fairseq's Transformer big for EN-FR: transformer_big with dropout 0.1 (the paper's EN-FR setting)."""
-    return dict(transformer_big(), dropout=0.1)
-
-
-@register_arch("transformer_wmt_en_de_big", model="transformer")
-def transformer_wmt_en_de_big() -> dict:
-    """fairseq's transformer_wmt_en_de_big: transformer_big with attention dropout 0.1."""
-    return dict(transformer_big(), attention_dropout=0.1)
-
-
-@register_arch("transformer_wmt_en_de_big_t2t", model="transformer")
-def transformer_wmt_en_de_big_t2t() -> dict:
-    """fairseq's transformer_wmt_en_de_big_t2t: pre-norm big, attention and activation dropout 0.1."""
-    return dict(transformer_big(), encoder_normalize_before=True, decoder_normalize_before=True,
-                attention_dropout=0.1, activation_dropout=0.1)
-
-
-@register_arch("transformer_tiny", model="transformer")
-def transformer_tiny() -> dict:
-    """fairseq's transformer_tiny (for tests): 2+2 layers, d 64, d_ff 64, 2 heads."""
-    return dict(transformer_base(), encoder_layers=2, decoder_layers=2, encoder_embed_dim=64, decoder_embed_dim=64,
-                encoder_ffn_embed_dim=64, decoder_ffn_embed_dim=64, encoder_attention_heads=2,
-                decoder_attention_heads=2)
 
 
 # ---------------------------------------------------------------------------- 3.5 positional encoding
@@ -434,16 +360,6 @@ class MultiHeadAttention(AttentionKernel, DropoutKernel, nn.Module):
                                                  dropout_p=dropout_p)  # (B, H, T, Dh)
         return self.combine_heads(out, rows)  # (B, T, D) or (N, D)
 
-    @staticmethod
-    def attention_weights(q: Tensor, k: Tensor, mask: Tensor | None = None) -> Tensor:
-        """softmax(Q K^T / sqrt(d_k)) written out, (B, H, T, S); masked keys (``mask`` False) get exactly 0.
-
-        ``attend`` never materializes these weights (SDPA's fused kernels do not return them); this explicit form
-        is for analysis only (attention heat maps), where ``combine_heads(weights @ V)`` reproduces ``attend``
-        without dropout.
-        """
-        return torch.softmax(attention_scores(q, k, mask, False), dim=-1)
-
     def forward(self, x: Tensor, mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
         """Self-attention of ``x`` (B, T, D) without a cache."""
         return self.self_attention(x, mask, is_causal)
@@ -577,23 +493,6 @@ class DecoderLayer(nn.Module):
                      self.dropout, pre)
         return residual(x, self.ffn, self.ffn_norm, self.dropout, pre)  # like x
 
-    def forward_with_cross_attention(self, x: Tensor, memory: Tensor,
-                                     memory_mask: Tensor | None) -> tuple[Tensor, Tensor]:
-        """Teacher-forced ``forward`` with the encoder-decoder attention written out (``attention_weights``);
-        returns the layer output (B, T, D) and those weights (B, H, T, S). For analysis: slower than ``forward``."""
-        pre = self.normalize_before
-        weights: list[Tensor] = []
-
-        def cross(h: Tensor) -> Tensor:
-            q = self.cross_attn.project_q(h)  # (B, H, T, Dh)
-            k, v = self.cross_attn.project_kv(memory)  # (B, H, S, Dh) each
-            w = self.cross_attn.attention_weights(q, k, memory_mask)  # (B, H, T, S)
-            weights.append(w)
-            return self.cross_attn.combine_heads(torch.matmul(w, v))
-
-        x = residual(x, lambda h: self._self_attention(h, None, 0, None), self.self_attn_norm, self.dropout, pre)
-        x = residual(x, cross, self.cross_attn_norm, self.dropout, pre)
-        return residual(x, self.ffn, self.ffn_norm, self.dropout, pre), weights[0]
 
 
 class TransformerEncoder(nn.Module):
@@ -664,17 +563,6 @@ class TransformerDecoder(RowPacking, nn.Module):
             return x
         return self.output_projection(x)  # (B, T, V) or (N, V)
 
-    def forward_with_cross_attention(self, prev_output_tokens: Tensor, enc: EncoderOut) -> tuple[Tensor, Tensor]:
-        """Teacher-forced logits (B, T, V) and every layer's encoder-decoder attention weights (B, L, H, T, S)."""
-        x = self.embed(prev_output_tokens)  # (B, T, D)
-        memory_mask = key_padding_mask(enc.padding_mask)  # (B, 1, 1, S) or None
-        weights = []
-        for layer in self.layers:
-            x, w = layer.forward_with_cross_attention(x, enc.out, memory_mask)
-            weights.append(w)
-        if self.final_norm is not None:
-            x = self.final_norm(x)
-        return self.output_projection(x), torch.stack(weights, dim=1)
 
 
 # --------------------------------------------------------------------------------------------- the model
@@ -771,31 +659,12 @@ class TransformerModel(EncoderDecoderModel):
         """Logits (..., V) of decoder features (..., D): the pre-softmax projection (3.4)."""
         return self.decoder.output_projection(features)
 
-    def decode_with_cross_attention(self, prev_output_tokens: Tensor, enc: EncoderOut) -> tuple[Tensor, Tensor]:
-        """Teacher-forced logits (B, T, V) and encoder-decoder attention weights (B, L, H, T, S).
-
-        The same arithmetic as ``decode`` without a cache, except that the attention weights are computed
-        explicitly (``MultiHeadAttention.attention_weights``) instead of inside SDPA; call it in eval mode
-        (attention dropout is not applied here).
-        """
-        return self.decoder.forward_with_cross_attention(prev_output_tokens, enc)
-
     def cross_attention_weights(self, src_tokens: Tensor, src_lengths: Tensor, prev_output_tokens: Tensor) -> Tensor:
-        """Encoder-decoder attention weights (B, L, H, T, S) of every decoder layer and head, in eval mode.
+        """Encoder-decoder attention weights (B, L, H, T, S), for plots (``AttentionMaps``; computed in
+        ``models/attention_maps.py``)."""
+        from attnmt.models.attention_maps import cross_attention_weights
 
-        Row ``t`` of a head's (T, S) map is the distribution over source tokens with which the decoder, fed
-        ``prev_output_tokens[:, :t + 1]``, predicts target token ``t``; it sums to 1 over the sentence's real
-        source tokens and is 0 on padding. For a single sentence, ``[0]`` gives (L, H, T, S). The model is
-        switched to eval mode for the call (no dropout) and back afterwards; no gradients are kept.
-        """
-        was_training = self.training
-        self.eval()
-        try:
-            with torch.no_grad():
-                _, weights = self.decode_with_cross_attention(prev_output_tokens, self.encode(src_tokens, src_lengths))
-        finally:
-            self.train(was_training)
-        return weights
+        return cross_attention_weights(self, src_tokens, src_lengths, prev_output_tokens)
 
     def new_cache(self, beam: int = 1, kernels: DecodingKernels = DecodingKernels()) -> DecoderCache:
         """An empty cache for ``decode``; ``beam``: decoder rows per sentence of the encoder output; ``kernels``:
