@@ -19,14 +19,14 @@ from attnmt import checkpoint
 from attnmt.backends import resolve_device
 from attnmt.errors import UserError
 from attnmt.generation.search import Symbols
-from attnmt.models.interface import EncoderDecoderModel, build_model
+from attnmt.models.interface import EncoderDecoderModel, SearchModel, build_model
 
 
 @dataclass
 class InferenceBundle:
     """A model ready to translate, with what turns text into its ids and its ids back into text."""
 
-    model: EncoderDecoderModel
+    model: SearchModel  # a trained model, or an ensemble of them
     src_dict: Any  # attnmt.data.dictionary.Dictionary
     tgt_dict: Any
     src_pipeline: Any  # attnmt.data.subword.TextPipeline: raw source line -> pieces

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from attnmt.backends.kernels import DecodingKernels
 from attnmt.generation.search import Hypothesis, SearchConfig, SearchStrategy, Symbols, next_token_extensions
-from attnmt.models.interface import EncoderDecoderModel
+from attnmt.models.interface import SearchModel
 from attnmt.registry import register
 
 
@@ -72,13 +72,13 @@ class BeamSearch(SearchStrategy):
         self.top_eos = self.top_eos[keep]
 
 
-def beam_search(model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: Tensor, cfg: SearchConfig,
+def beam_search(model: SearchModel, src_tokens: Tensor, src_lengths: Tensor, cfg: SearchConfig,
                 sym: Symbols, kernels: DecodingKernels = DecodingKernels()) -> list[list[Hypothesis]]:
     """Beam search with the GNMT length penalty and a per-sentence, exact early stop (:class:`BeamSearch`)."""
     return BeamSearch(cfg)(model, src_tokens, src_lengths, sym, kernels=kernels)
 
 
-def greedy_search(model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: Tensor, cfg: SearchConfig,
+def greedy_search(model: SearchModel, src_tokens: Tensor, src_lengths: Tensor, cfg: SearchConfig,
                   sym: Symbols, kernels: DecodingKernels = DecodingKernels()) -> list[list[Hypothesis]]:
     """Beam search with beam 1 (greedy decoding): the same loop and arithmetic, hence exactly the same output."""
     if cfg.nbest != 1:

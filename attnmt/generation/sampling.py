@@ -18,7 +18,7 @@ from attnmt.generation.search import (
     start_rows,
     step_log_probs,
 )
-from attnmt.models.interface import EncoderDecoderModel
+from attnmt.models.interface import SearchModel
 from attnmt.registry import register
 
 
@@ -128,7 +128,7 @@ class Sampling(SearchStrategy):
         self.keys = self.keys[keep]
 
 
-def sample_search(model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: Tensor, cfg: SearchConfig, sym: Symbols,
+def sample_search(model: SearchModel, src_tokens: Tensor, src_lengths: Tensor, cfg: SearchConfig, sym: Symbols,
                   sample_ids: Tensor | None = None,
                   kernels: DecodingKernels = DecodingKernels()) -> list[list[Hypothesis]]:
     """Draw ``cfg.beam`` samples per sentence and return the ``nbest`` best of each (:class:`Sampling`)."""

@@ -3,7 +3,7 @@
 Strategies (``SearchStrategy``) are registered like every other component and chosen with ``--search``; the
 built-in ones live in ``beam.py`` (beam search and greedy decoding) and ``sampling.py``. All through its incremental-decoding interface (``encode``, ``decode_features`` +
 ``output_layer`` or ``decode`` with a cache, ``new_cache``, ``reorder``, ``max_positions``: see
-:class:`attnmt.models.interface.EncoderDecoderModel`) and return, per source sentence, a list of finished :class:`Hypothesis` sorted best
+:class:`attnmt.models.interface.SearchModel`) and return, per source sentence, a list of finished :class:`Hypothesis` sorted best
 first.
 
 Scores
@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from attnmt.backends.kernels import DecodingKernels
-from attnmt.models.interface import EncoderDecoderModel
+from attnmt.models.interface import SearchModel
 
 NEG_INF = float("-inf")
 
@@ -441,7 +441,7 @@ def finalize(finished: Finished, kth_best: Tensor, sent_ids: list[int], local: T
 # ------------------------------------------------------------------------------------------------ searches
 
 
-def max_target_positions(model: EncoderDecoderModel) -> int:
+def max_target_positions(model: SearchModel) -> int:
     return int(model.max_positions()[1])
 
 
@@ -484,12 +484,12 @@ class SearchStrategy:
         """Finished hypotheses kept per sentence while searching (the ``nbest`` best are returned)."""
         return self.cfg.nbest
 
-    def start(self, model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: Tensor, kernels: DecodingKernels,
+    def start(self, model: SearchModel, src_tokens: Tensor, src_lengths: Tensor, kernels: DecodingKernels,
               sample_ids: Tensor | None):
         """The encoder output and the decoder cache for the batch's units (and the strategy's own state)."""
         return model.encode(src_tokens, src_lengths), model.new_cache(self.rows_per_unit(), kernels)
 
-    def candidates(self, model: EncoderDecoderModel, tokens: Tensor, step: int, enc, cache, max_len: Tensor,
+    def candidates(self, model: SearchModel, tokens: Tensor, step: int, enc, cache, max_len: Tensor,
                    scores: Tensor, sym: Symbols, kernels: DecodingKernels) -> Extensions:
         """Decode step ``step`` (column ``step`` of ``tokens`` (R, T) holds each row's newest token) and return
         every unit's candidate extensions (:meth:`step` of the log-probabilities under the search's rules)."""
@@ -518,7 +518,7 @@ class SearchStrategy:
     def keep_units(self, keep: Tensor) -> None:
         """The units ``keep`` stay (in that order): drop the strategy's state of the others."""
 
-    def __call__(self, model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: Tensor, sym: Symbols,
+    def __call__(self, model: SearchModel, src_tokens: Tensor, src_lengths: Tensor, sym: Symbols,
                  sample_ids: Tensor | None = None,
                  kernels: DecodingKernels = DecodingKernels()) -> list[list[Hypothesis]]:
         """Per sentence of the right-padded batch, its ``cfg.nbest`` hypotheses, best first."""
@@ -526,7 +526,7 @@ class SearchStrategy:
 
 
 @torch.inference_mode()
-def run_search(strategy: SearchStrategy, model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: Tensor,
+def run_search(strategy: SearchStrategy, model: SearchModel, src_tokens: Tensor, src_lengths: Tensor,
                sym: Symbols, sample_ids: Tensor | None = None,
                kernels: DecodingKernels = DecodingKernels()) -> list[list[Hypothesis]]:
     """The search loop every strategy runs (see :class:`SearchStrategy`).
@@ -589,7 +589,7 @@ def run_search(strategy: SearchStrategy, model: EncoderDecoderModel, src_tokens:
     return [h[: cfg.nbest] for h in finished.hyps]
 
 
-def search(model: EncoderDecoderModel, src_tokens: Tensor, src_lengths: Tensor, cfg: SearchConfig, sym: Symbols,
+def search(model: SearchModel, src_tokens: Tensor, src_lengths: Tensor, cfg: SearchConfig, sym: Symbols,
            sample_ids: Tensor | None = None, kernels: DecodingKernels = DecodingKernels()) -> list[list[Hypothesis]]:
     """Translate a batch of right-padded sources with the strategy ``cfg.search``; per sentence, its ``cfg.nbest``
     hypotheses, best first.

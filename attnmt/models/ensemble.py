@@ -1,7 +1,7 @@
 """Ensembles (``--path a.pt:b.pt``): several models of one vocabulary searched as one.
 
 At every step the members' next-token distributions are averaged (fairseq's rule): the ensemble's log-probability of
-token ``y`` is ``log(mean_i p_i(y))``. The search sees an ordinary :class:`EncoderDecoderModel`: its "features" are
+token ``y`` is ``log(mean_i p_i(y))``. The search sees an ordinary :class:`SearchModel`: its "features" are
 the members' decoder features side by side, and ``output_layer`` turns them into the averaged log-probabilities
 (already normalised, so the search's log-softmax leaves them as they are).
 """
@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from attnmt.backends.kernels import DecodingKernels
-from attnmt.models.interface import EncoderDecoderModel
+from attnmt.models.interface import EncoderDecoderModel, SearchModel
 
 
 @dataclass
@@ -30,8 +29,9 @@ class EnsembleCache:
         return self.members[0].length
 
 
-class Ensemble(EncoderDecoderModel):
-    """The average of ``models``' distributions; every member must share the dictionaries."""
+class Ensemble(SearchModel):
+    """The average of ``models``' distributions; every member must share the dictionaries. It is searched and
+    translated with, not trained: it implements the search's contract (:class:`SearchModel`) only."""
 
     def __init__(self, models: list[EncoderDecoderModel]):
         super().__init__()
@@ -40,22 +40,8 @@ class Ensemble(EncoderDecoderModel):
         self.members = nn.ModuleList(models)
         self.widths = [int(m.output_projection_weight().size(1)) for m in models]
 
-    @classmethod
-    def build(cls, cfg: Any, src_vocab: int, tgt_vocab: int, pad_idx: int, *, joint_vocab: bool) -> Ensemble:
-        raise TypeError("an ensemble is assembled from trained models (Ensemble([...])), not built from a config")
-
     def _average(self, log_probs: list[Tensor]) -> Tensor:
         return torch.logsumexp(torch.stack(log_probs), dim=0) - math.log(len(log_probs))
-
-    def forward(self, src_tokens: Tensor, src_lengths: Tensor, prev_output_tokens: Tensor,
-                output_mask: Tensor | None = None, features_only: bool = False) -> Tensor:
-        if features_only:
-            raise ValueError("an ensemble has no single feature space; use forward without features_only")
-        return self._average([torch.log_softmax(m(src_tokens, src_lengths, prev_output_tokens, output_mask).float(),
-                                                dim=-1) for m in self.members])
-
-    def output_projection_weight(self) -> Tensor:
-        raise ValueError("an ensemble has one output projection per member; train its members, not the ensemble")
 
     def encode(self, src_tokens: Tensor, src_lengths: Tensor) -> list:
         return [m.encode(src_tokens, src_lengths) for m in self.members]

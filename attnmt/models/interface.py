@@ -62,13 +62,56 @@ class DecoderCache(ABC):
         Returns the sentences the encoder output must be reduced to, or None when it stays as it is."""
 
 
-class EncoderDecoderModel(nn.Module, ABC):
-    """A sequence-to-sequence model: what training, search, inference and analysis call.
+class SearchModel(nn.Module, ABC):
+    """What the search, inference and the plots call: a trained model, or an ensemble of them (``models/ensemble.py``).
+
+    Search calls ``encode`` once, then per step ``decode_features`` + ``output_layer`` (or ``decode``) with the
+    state ``new_cache`` made, and ``reorder`` to follow the hypotheses.
+    """
+
+    @abstractmethod
+    def encode(self, src_tokens: Tensor, src_lengths: Tensor) -> Any:
+        """The encoder output for right-padded ``src_tokens`` (B, S), in whatever form ``decode`` takes."""
+
+    @abstractmethod
+    def decode(self, prev_output_tokens: Tensor, enc: Any, cache: Any = None) -> Tensor:
+        """Logits (R, T, V) of the next tokens; with ``cache``, only the newest tokens are given."""
+
+    @abstractmethod
+    def decode_features(self, prev_output_tokens: Tensor, enc: Any, cache: Any = None) -> Tensor:
+        """``decode`` before the projection to the vocabulary: (R, T, D)."""
+
+    @abstractmethod
+    def output_layer(self, features: Tensor) -> Tensor:
+        """Logits (..., V) of decoder features (..., D)."""
+
+    @abstractmethod
+    def new_cache(self, beam: int = 1, kernels: DecodingKernels = DecodingKernels()) -> Any:
+        """An empty cache; ``decode`` then takes ``beam`` consecutive rows per sentence of ``enc``, except on the
+        first call, which may take one row per sentence (all hypotheses start alike; its keys/values serve all).
+        ``kernels``: the backend's row padding and attention form."""
+
+    @abstractmethod
+    def reorder(self, enc: Any, cache: Any, new_order: Tensor,
+                sentences: Tensor | None = None) -> tuple[Any, Any]:
+        """Follow the search: row ``r`` of the next ``decode`` continues current row ``new_order[r]``;
+        ``sentences``: the current sentences that stay (None: all; with beam 1, ``new_order``)."""
+
+    @abstractmethod
+    def max_positions(self) -> tuple[int, int]:
+        """(source, target) length limits in tokens."""
+
+    def num_parameters(self) -> int:
+        """Trainable parameters, a shared matrix counted once."""
+        return sum(p.numel() for p in self.parameters())
+
+
+class EncoderDecoderModel(SearchModel):
+    """A sequence-to-sequence model family: the search's contract, and what training calls.
 
     ``build`` makes it from its config and the dictionaries' sizes. Teacher-forced training calls ``forward``
     with ``features_only=True`` and the non-padding positions, then projects with ``output_projection_weight``
-    inside the loss. Search calls ``encode`` once, then per step ``decode_features`` + ``output_layer`` (or
-    ``decode``) with a cache from ``new_cache``, and ``reorder`` to follow the beams.
+    inside the loss. Its ``new_cache`` is a :class:`DecoderCache`.
     """
 
     @classmethod
@@ -85,42 +128,6 @@ class EncoderDecoderModel(nn.Module, ABC):
     @abstractmethod
     def output_projection_weight(self) -> Tensor:
         """The (V, D) weight of the projection to the vocabulary (no bias): logits = features @ weight.T."""
-
-    @abstractmethod
-    def encode(self, src_tokens: Tensor, src_lengths: Tensor) -> Any:
-        """The encoder output for right-padded ``src_tokens`` (B, S), in whatever form ``decode`` takes."""
-
-    @abstractmethod
-    def decode(self, prev_output_tokens: Tensor, enc: Any, cache: DecoderCache | None = None) -> Tensor:
-        """Logits (R, T, V) of the next tokens; with ``cache``, only the newest tokens are given."""
-
-    @abstractmethod
-    def decode_features(self, prev_output_tokens: Tensor, enc: Any, cache: DecoderCache | None = None) -> Tensor:
-        """``decode`` before the projection to the vocabulary: (R, T, D)."""
-
-    @abstractmethod
-    def output_layer(self, features: Tensor) -> Tensor:
-        """Logits (..., V) of decoder features (..., D)."""
-
-    @abstractmethod
-    def new_cache(self, beam: int = 1, kernels: DecodingKernels = DecodingKernels()) -> DecoderCache:
-        """An empty cache; ``decode`` then takes ``beam`` consecutive rows per sentence of ``enc``, except on the
-        first call, which may take one row per sentence (all hypotheses start alike; its keys/values serve all).
-        ``kernels``: the backend's row padding and attention form."""
-
-    @abstractmethod
-    def reorder(self, enc: Any, cache: DecoderCache | None, new_order: Tensor,
-                sentences: Tensor | None = None) -> tuple[Any, DecoderCache | None]:
-        """Follow the search: row ``r`` of the next ``decode`` continues current row ``new_order[r]``;
-        ``sentences``: the current sentences that stay (None: all; with beam 1, ``new_order``)."""
-
-    @abstractmethod
-    def max_positions(self) -> tuple[int, int]:
-        """(source, target) length limits in tokens."""
-
-    def num_parameters(self) -> int:
-        """Trainable parameters, a shared matrix counted once."""
-        return sum(p.numel() for p in self.parameters())
 
 
 @runtime_checkable
