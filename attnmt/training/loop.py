@@ -31,7 +31,7 @@ from attnmt.backends import Backend, backend_for, resolve_precision, set_threads
 from attnmt.checkpoint import resume as ckpts
 from attnmt.checkpoint.saver import CheckpointSaver
 from attnmt.config import to_dict
-from attnmt.data.batching import EpochBatchIterator, Skipped
+from attnmt.data.batching import Skipped
 from attnmt.errors import UserError
 from attnmt.fileio import check_output_dir, check_output_file, exclusive
 from attnmt.optim import build_lr_scheduler, build_optimizer
@@ -67,7 +67,7 @@ def train(data_bin: str | os.PathLike, setup: Setup, cfg: TrainConfig,
         peers = distributed.init(distributed.Env(cfg.rank, cfg.world_size, cfg.local_rank), backend, dist_cfg)
     try:
         with distributed.collective_errors(peers, dist_cfg.ddp_timeout, Path(cfg.save_dir)), _save_dir_lock(cfg):
-            return _train(data_bin, setup, cfg, extra_validators, dist_cfg, backend, t_start)
+            return TrainingRun(data_bin, setup, cfg, backend, dist_cfg, extra_validators, t_start).run()
     finally:
         if owns_group:
             distributed.shutdown()
@@ -86,61 +86,126 @@ def _save_dir_lock(cfg: TrainConfig):
                      "wait for that run to end (or stop it), or choose another --save-dir")
 
 
-def _train(data_bin, setup: Setup, cfg: TrainConfig, extra_validators, dist_cfg: distributed.DistributedConfig,
-           backend: Backend, t_start: float) -> dict:
-    seed_everything(cfg.seed)
-    device = backend.device
-    save_dir = Path(cfg.save_dir)
-    is_master = cfg.rank == 0
-    stale: list[Path] = []
-    if is_master:  # before any work: a bad --save-dir fails now, not at the first save
-        check_output_dir(save_dir, "--save-dir")
-        stale = checkpoint.remove_partial_files(save_dir)
-        if cfg.log_file:
-            check_output_file(cfg.log_file, "--log-file")
+class TrainingRun:
+    """One run of ``attnmt train`` on this rank: set up in order by the ``_setup_*`` steps (the save directory, the
+    model and its trainer, the data, the validators, the log and the checkpoint writer), then :meth:`run`: resume
+    or restore, report, train until a decision stops it, report the end."""
 
-    task_cls = get("task", setup.task).obj
-    task = task_cls(setup.task_cfg, data_bin)
-    model_name, model_cfg, notes = task.model_config(setup.arch, setup.model_overrides)
-    model = task.build_model(model_name, model_cfg).to(device)
-    backend.prepare_training(model, cfg.cpu_attention, cfg.compile)  # before the optimizer and DDP see the modules
-    if cfg.world_size > 1:  # every rank built the same weights; from here on each draws its own dropout masks
-        torch.manual_seed(cfg.seed + cfg.rank)
-    criterion = task.build_criterion(setup.criterion, setup.criterion_cfg)
-    backend.prepare_criterion(criterion)
-    lr_scheduler = build_lr_scheduler(setup.lr_scheduler, setup.lr_scheduler_cfg)
-    optimizer = build_optimizer(setup.optimizer, setup.optimizer_cfg, model.parameters(),
-                                lr=getattr(setup.lr_scheduler_cfg, "lr", 1e-3))
-    ddp_model = distributed.wrap(model, backend) if cfg.world_size > 1 else None
-    trainer = Trainer(model, criterion, optimizer, lr_scheduler, backend=backend,
-                      clip_norm=cfg.clip_norm, world_size=cfg.world_size, ddp_model=ddp_model)
-    max_positions = model.max_positions()
-    multiple = cfg.required_seq_len_multiple or backend.length_multiple()
-    itr, skipped = make_train_iterator(task, cfg, max_positions, multiple)
-    if cfg.world_size > 1:  # a rank whose update holds only padding batches still joins the gradient all-reduce
-        trainer.prime_padding_batch(itr.collate(itr.batches[0]))
-    valid_sets = {} if cfg.disable_validation else {
-        s: make_valid_batches(task, cfg, s, max_positions, multiple) for s in task.valid_subsets()}
-    if extra_validators is None:
-        extra_validators = []
-        if cfg.eval_bleu and not cfg.disable_validation:
-            from attnmt.training.bleu import BleuValidator
+    def __init__(self, data_bin, setup: Setup, cfg: TrainConfig, backend: Backend,
+                 dist_cfg: distributed.DistributedConfig, extra_validators: list | None, t_start: float):
+        self.setup, self.cfg, self.backend, self.dist_cfg, self.t_start = setup, cfg, backend, dist_cfg, t_start
+        self.save_dir = Path(cfg.save_dir)
+        self.is_master = cfg.rank == 0
+        seed_everything(cfg.seed)
+        stale = self._setup_save_dir()
+        self._setup_model(data_bin)
+        self._setup_data()
+        self._setup_validators(extra_validators)
+        self._setup_log(stale)
 
-            extra_validators.append(BleuValidator(task, cfg, backend))
+    # ------------------------------------------------------------------------------------------------- setup
 
-    total = cfg.max_update or (cfg.max_epoch * math.ceil(len(itr) / cfg.update_freq) if cfg.max_epoch else None)
-    log = RunLog(save_dir / "train.jsonl", cfg.progress, total, 0, enabled=is_master, log_file=cfg.log_file,
-                 tensorboard_dir=cfg.tensorboard_logdir)
-    if stale:
-        log.info(f"removed {len(stale)} partial checkpoint file(s) of interrupted saves from {save_dir}")
-    best = Best(cfg.best_checkpoint_metric, cfg.maximize_best_checkpoint_metric)
-    data_state = task.data_state()
-    saver = CheckpointSaver(save_dir, backend.host_staging(), background=cfg.background_save,
-                            after_write=functools.partial(ckpts.prune, save_dir, cfg.keep_interval_updates,
-                                                          cfg.keep_last_epochs, cfg.keep_best_checkpoints,
-                                                          cfg.maximize_best_checkpoint_metric))
-    try:
-        last = save_dir / checkpoint.LAST
+    def _setup_save_dir(self) -> list[Path]:
+        """Before any work: a bad --save-dir fails now, not at the first save; the partial files of interrupted
+        saves are removed (returned, to be logged)."""
+        if not self.is_master:
+            return []
+        check_output_dir(self.save_dir, "--save-dir")
+        stale = checkpoint.remove_partial_files(self.save_dir)
+        if self.cfg.log_file:
+            check_output_file(self.cfg.log_file, "--log-file")
+        return stale
+
+    def _setup_model(self, data_bin) -> None:
+        """The task, the model prepared by the backend, the criterion, the optimizer and the trainer."""
+        cfg, setup, backend = self.cfg, self.setup, self.backend
+        self.task = get("task", setup.task).obj(setup.task_cfg, data_bin)
+        self.model_name, self.model_cfg, self.notes = self.task.model_config(setup.arch, setup.model_overrides)
+        model = self.task.build_model(self.model_name, self.model_cfg).to(backend.device)
+        backend.prepare_training(model, cfg.cpu_attention, cfg.compile)  # before the optimizer and DDP see it
+        if cfg.world_size > 1:  # every rank built the same weights; from here on each draws its own dropout masks
+            torch.manual_seed(cfg.seed + cfg.rank)
+        criterion = self.task.build_criterion(setup.criterion, setup.criterion_cfg)
+        backend.prepare_criterion(criterion)
+        lr_scheduler = build_lr_scheduler(setup.lr_scheduler, setup.lr_scheduler_cfg)
+        optimizer = build_optimizer(setup.optimizer, setup.optimizer_cfg, model.parameters(),
+                                    lr=getattr(setup.lr_scheduler_cfg, "lr", 1e-3))
+        ddp_model = distributed.wrap(model, backend) if cfg.world_size > 1 else None
+        self.model = model
+        self.trainer = Trainer(model, criterion, optimizer, lr_scheduler, backend=backend, clip_norm=cfg.clip_norm,
+                               world_size=cfg.world_size, ddp_model=ddp_model)
+
+    def _setup_data(self) -> None:
+        """The train iterator (lengths padded to the backend's multiple) and the validation batches."""
+        cfg, task = self.cfg, self.task
+        max_positions = self.model.max_positions()
+        multiple = cfg.required_seq_len_multiple or self.backend.length_multiple()
+        self.itr, self.skipped = make_train_iterator(task, cfg, max_positions, multiple)
+        if cfg.world_size > 1:  # a rank whose update holds only padding batches still joins the gradient all-reduce
+            self.trainer.prime_padding_batch(self.itr.collate(self.itr.batches[0]))
+        self.valid_sets = {} if cfg.disable_validation else {
+            s: make_valid_batches(task, cfg, s, max_positions, multiple) for s in task.valid_subsets()}
+
+    def _setup_validators(self, extra_validators: list | None) -> None:
+        if extra_validators is None:
+            extra_validators = []
+            if self.cfg.eval_bleu and not self.cfg.disable_validation:
+                from attnmt.training.bleu import BleuValidator
+
+                extra_validators.append(BleuValidator(self.task, self.cfg, self.backend))
+        self.extra_validators = extra_validators
+
+    def _setup_log(self, stale: list[Path]) -> None:
+        """train.jsonl and the progress display, the best value, the data section, the checkpoint writer."""
+        cfg, save_dir = self.cfg, self.save_dir
+        total = cfg.max_update or (cfg.max_epoch * math.ceil(len(self.itr) / cfg.update_freq) if cfg.max_epoch
+                                   else None)
+        self.log = RunLog(save_dir / "train.jsonl", cfg.progress, total, 0, enabled=self.is_master,
+                          log_file=cfg.log_file, tensorboard_dir=cfg.tensorboard_logdir)
+        if stale:
+            self.log.info(f"removed {len(stale)} partial checkpoint file(s) of interrupted saves from {save_dir}")
+        self.best = Best(cfg.best_checkpoint_metric, cfg.maximize_best_checkpoint_metric)
+        self.data_state = self.task.data_state()
+        self.saver = CheckpointSaver(save_dir, self.backend.host_staging(), background=cfg.background_save,
+                                     after_write=functools.partial(ckpts.prune, save_dir, cfg.keep_interval_updates,
+                                                                   cfg.keep_last_epochs, cfg.keep_best_checkpoints,
+                                                                   cfg.maximize_best_checkpoint_metric))
+
+    # --------------------------------------------------------------------------------------------------- run
+
+    def run(self) -> dict:
+        """Resume (or restore, or fine-tune), train until a decision stops it; the run's summary."""
+        cfg, log, saver = self.cfg, self.log, self.saver
+        try:
+            train_time = self._start_state()
+            _report_start(log, self.task, self.setup, cfg, self.model, self.itr, self.skipped, self.valid_sets,
+                          self.backend, self.notes)
+            if cfg.world_size > 1:
+                device, dist_cfg = self.backend.device, self.dist_cfg
+                log.info(f"processes: {cfg.world_size} "
+                         f"({distributed.choose_backend(self.backend, dist_cfg.distributed_backend)}, one per "
+                         f"{'GPU' if device.type == 'cuda' else 'CPU share'}), each on its own shard of the batches; "
+                         f"collectives time out after --ddp-timeout {dist_cfg.ddp_timeout:g} s")
+            with distributed.Preemption() as preemption:
+                summary = self._loop(train_time, preemption)
+            saver.close()
+            summary["skipped_train"] = len(self.skipped)
+            summary["wall_s"] = time.perf_counter() - self.t_start
+            log.record(summary)
+            _report_end(log, summary)
+            return summary
+        finally:
+            if saver.writing:  # leaving on an error or Ctrl-C: let the write in progress finish (its error is moot)
+                with contextlib.suppress(Exception):
+                    saver.close()
+            log.close()
+
+    def _start_state(self) -> float:
+        """Resume from --save-dir's checkpoint_last.pt, restore --restore-file, or fine-tune from --finetune-from;
+        returns the training time already spent."""
+        cfg, log, trainer = self.cfg, self.log, self.trainer
+        args = (cfg, self.setup, trainer, self.itr, self.best, self.model_name, self.model_cfg, self.data_state, log)
+        last = self.save_dir / checkpoint.LAST
         train_time = 0.0
         seen = distributed.all_gather(last.exists())
         if len(set(seen)) > 1:
@@ -149,7 +214,7 @@ def _train(data_bin, setup: Setup, cfg: TrainConfig, extra_validators, dist_cfg:
         if last.exists():
             if cfg.finetune_from:
                 log.info(f"{last} exists: resuming from it, --finetune-from is ignored")
-            train_time = resume(last, cfg, setup, trainer, itr, best, model_name, model_cfg, data_state, log)
+            train_time = resume(last, *args)
             dropped = log.forget_after(trainer.num_updates)
             if dropped:
                 log.info(f"train.jsonl: dropped {dropped} record(s) of updates after {trainer.num_updates}, which "
@@ -161,32 +226,108 @@ def _train(data_bin, setup: Setup, cfg: TrainConfig, extra_validators, dist_cfg:
                                 f"converted by attnmt import-fairseq)")
             log.info(f"restoring {restore} (reset: optimizer {cfg.reset_optimizer}, lr scheduler "
                      f"{cfg.reset_lr_scheduler}, dataloader {cfg.reset_dataloader})")
-            train_time = resume(restore, cfg, setup, trainer, itr, best, model_name, model_cfg, data_state, log)
+            train_time = resume(restore, *args)
         elif cfg.finetune_from:
-            finetune(Path(cfg.finetune_from), trainer, data_state, log)
+            finetune(Path(cfg.finetune_from), trainer, self.data_state, log)
         if not last.exists() and log.forget_after(trainer.num_updates):  # a run killed before its first full save
             log.info(f"train.jsonl: dropped the records of an earlier run that left no {checkpoint.LAST}; this run "
                      f"starts at update {trainer.num_updates}")
+        return train_time
 
-        _report_start(log, task, setup, cfg, model, itr, skipped, valid_sets, trainer.backend, notes)
-        if cfg.world_size > 1:
-            log.info(f"processes: {cfg.world_size} ({distributed.choose_backend(backend, dist_cfg.distributed_backend)}"
-                     f", one per {'GPU' if device.type == 'cuda' else 'CPU share'}), each on its own shard of the "
-                     f"batches; collectives time out after --ddp-timeout {dist_cfg.ddp_timeout:g} s")
-        with distributed.Preemption() as preemption:
-            summary = _run(trainer, task, setup, cfg, model_name, model_cfg, data_state, itr, valid_sets,
-                           extra_validators, best, log, saver, train_time, is_master, preemption)
-        saver.close()
-        summary["skipped_train"] = len(skipped)
-        summary["wall_s"] = time.perf_counter() - t_start
-        log.record(summary)
-        _report_end(log, summary)
-        return summary
-    finally:
-        if saver.writing:  # leaving on an error or Ctrl-C: let the write in progress finish (its error is moot)
-            with contextlib.suppress(Exception):
-                saver.close()
-        log.close()
+    def _loop(self, train_time0: float, preemption: distributed.Preemption | None = None) -> dict:
+        """Updates until a decision stops the run; after each: log, agree on the clocks and signals, validate,
+        save, as ``decisions`` says. Returns the run's summary."""
+        cfg, trainer, itr, log, best = self.cfg, self.trainer, self.itr, self.log, self.best
+        meter = Meter(trainer.device)
+        run_start = time.perf_counter()
+        self._clock = lambda: train_time0 + time.perf_counter() - run_start  # the training time so far
+        last_save = run_start
+        start_updates = trainer.num_updates
+        self.last_valid = {}
+        stop = decisions.already_done(cfg, trainer.num_updates, itr.epoch, itr.end_of_epoch(), train_time0)
+        if stop:
+            flag = {"max_time": "max-time-minutes"}.get(stop, stop.replace("_", "-"))
+            log.info(f"nothing to do: already at {stop.replace('_', ' ')} (update {trainer.num_updates}, epoch "
+                     f"{itr.epoch}); raise --{flag} to train further")
+        log.advance(trainer.num_updates, itr.epoch)
+        while stop is None:
+            if itr.end_of_epoch():
+                itr.next_epoch()
+            for group in chunks(iter(itr), cfg.update_freq):
+                out = trainer.train_step(group)
+                if out is not None:
+                    meter.add(out)
+                n = trainer.num_updates
+                end_of_epoch = itr.end_of_epoch()
+                if out is not None and not out["overflow"] and n % cfg.log_interval == 0:
+                    log_train(log, meter, trainer, itr, cfg, n, start_updates, run_start, self._clock())
+                log.advance(n, itr.epoch)
+                # clock- and signal-driven decisions, agreed on by all ranks (identity in a single process)
+                preempted, time_up, minutes_due = distributed.any_rank([
+                    preemption is not None and preemption.requested,
+                    bool(cfg.max_time_minutes) and self._clock() >= cfg.max_time_minutes * 60,
+                    bool(cfg.save_interval_minutes)
+                    and time.perf_counter() - last_save >= cfg.save_interval_minutes * 60,
+                ], trainer.device)
+                decision = decisions.after_update(cfg, decisions.AfterUpdate(
+                    n, itr.epoch, end_of_epoch, out is not None, time_up, preempted, minutes_due),
+                    bool(self.valid_sets))
+                if decision.validate:
+                    decision = self._validate(n, decision)
+                stop, names = decision.stop, decision.save
+                if names:
+                    self._save(names)
+                    last_save = time.perf_counter()
+                    if stop is None and distributed.any_rank([preemption is not None and preemption.requested],
+                                                             trainer.device)[0]:
+                        stop = "preempted"  # arrived while saving: the checkpoint just written holds this update
+                if stop is not None:
+                    self.saver.wait()  # the last checkpoint is on disk before the run says so or exits
+                if stop == "preempted":
+                    why = preemption.signal_name if preemption is not None and preemption.signal_name else \
+                        "a signal to another rank"
+                    log.info(f"preempted by {why}: stopped after update {n} and saved "
+                             f"{self.saver.save_dir / checkpoint.LAST}; run the same command again to resume")
+                if stop is not None:
+                    break
+        v = next(iter(self.last_valid.values())) if self.last_valid else {}
+        return {"type": "summary", "stop_reason": stop, "num_updates": trainer.num_updates, "epoch": itr.epoch,
+                "train_time": self._clock(), "updates_this_run": trainer.num_updates - start_updates,
+                "best_metric": best.metric, "best": best.value, "best_num_updates": best.num_updates,
+                "valid": {k: v[k] for k in v}, "lr": trainer.lr, "num_overflows": trainer.num_overflows}
+
+    def _validate(self, n: int, decision: decisions.Decision) -> decisions.Decision:
+        """Validate after update ``n``, log it, and complete the decision (the best, the N best, patience)."""
+        log, best, itr = self.log, self.best, self.itr
+        self.last_valid = validate(self.trainer, self.valid_sets, self.extra_validators)
+        first = next(iter(self.last_valid.values()))
+        improved = best.update(first[best.metric], n)
+        for split, m in self.last_valid.items():
+            samples = {k: m.pop(k) for k in ("sample_hypothesis", "sample_reference") if k in m}
+            rec = {"type": "valid", "subset": split, "epoch": itr.epoch, "num_updates": n,
+                   **{k: v for k, v in m.items()}, "best_" + best.metric: best.value, **samples}
+            log.record(rec)
+            log.line(f"valid on '{split}' | epoch {itr.epoch} | update {n} | "
+                     + " | ".join(f"{k} {fmt_number(v)}" for k, v in m.items() if k != "ntokens")
+                     + f" | best {best.metric} {fmt_number(best.value)}", None)
+            for k, text in samples.items():
+                log.info(f"valid on '{split}' | example {k.split('_')[1]}: {text}")
+        decision = decisions.after_validation(self.cfg, decision, improved, best.bad_validations,
+                                              first[best.metric], n)
+        if decision.stop == "patience":
+            log.info(f"early stop: {best.metric} has not improved for {self.cfg.patience} validations")
+        return decision
+
+    def _save(self, names: list[str]) -> None:
+        """Every rank calls this with the same names (its RNG state goes to rank 0); rank 0 writes."""
+        if not names:
+            return
+        rng_by_rank = distributed.gather_to_master(ckpts.rng_state(self.trainer.backend))
+        if not self.is_master:
+            return
+        state = build_state(self.trainer, self.setup, self.cfg, self.model_name, self.model_cfg, self.data_state,
+                            self.itr, self.best, self._clock(), rng_by_rank)
+        self.saver.save(state, names)  # copied now, written in the background (--background-save)
 
 
 def _report_start(log: RunLog, task, setup: Setup, cfg: TrainConfig, model, itr, skipped: Skipped, valid_sets,
@@ -225,93 +366,3 @@ def _report_end(log: RunLog, s: dict) -> None:
     log.info(f"done ({s['stop_reason']}): {s['num_updates']} updates, epoch {s['epoch']}, "
              f"train time {hms(s['train_time'])}{vtxt} | best {s['best_metric']} "
              f"{fmt_number(s['best']) if s['best'] is not None else '-'}")
-
-
-def _run(trainer: Trainer, task, setup: Setup, cfg: TrainConfig, model_name: str, model_cfg, data_state,
-         itr: EpochBatchIterator, valid_sets: dict, extra_validators, best: Best, log: RunLog, saver: CheckpointSaver,
-         train_time0: float, is_master: bool, preemption: distributed.Preemption | None = None) -> dict:
-    meter = Meter(trainer.device)
-    run_start = time.perf_counter()
-    last_save = run_start
-    start_updates = trainer.num_updates
-    last_valid: dict = {}
-
-    def train_time() -> float:
-        return train_time0 + time.perf_counter() - run_start
-
-    def save(names: list[str]) -> None:
-        """Every rank calls this with the same names (its RNG state goes to rank 0); rank 0 writes."""
-        if not names:
-            return
-        rng_by_rank = distributed.gather_to_master(ckpts.rng_state(trainer.backend))
-        if not is_master:
-            return
-        state = build_state(trainer, setup, cfg, model_name, model_cfg, data_state, itr, best, train_time(),
-                            rng_by_rank)
-        saver.save(state, names)  # copied now, written in the background (--background-save)
-
-    stop = decisions.already_done(cfg, trainer.num_updates, itr.epoch, itr.end_of_epoch(), train_time0)
-    if stop:
-        flag = {"max_time": "max-time-minutes"}.get(stop, stop.replace("_", "-"))
-        log.info(f"nothing to do: already at {stop.replace('_', ' ')} (update {trainer.num_updates}, epoch "
-                 f"{itr.epoch}); raise --{flag} to train further")
-    log.advance(trainer.num_updates, itr.epoch)
-    while stop is None:
-        if itr.end_of_epoch():
-            itr.next_epoch()
-        for group in chunks(iter(itr), cfg.update_freq):
-            out = trainer.train_step(group)
-            if out is not None:
-                meter.add(out)
-            n = trainer.num_updates
-            end_of_epoch = itr.end_of_epoch()
-            if out is not None and not out["overflow"] and n % cfg.log_interval == 0:
-                log_train(log, meter, trainer, itr, cfg, n, start_updates, run_start, train_time())
-            log.advance(n, itr.epoch)
-            # clock- and signal-driven decisions, agreed on by all ranks (identity in a single process)
-            preempted, time_up, minutes_due = distributed.any_rank([
-                preemption is not None and preemption.requested,
-                bool(cfg.max_time_minutes) and train_time() >= cfg.max_time_minutes * 60,
-                bool(cfg.save_interval_minutes) and time.perf_counter() - last_save >= cfg.save_interval_minutes * 60,
-            ], trainer.device)
-            decision = decisions.after_update(cfg, decisions.AfterUpdate(
-                n, itr.epoch, end_of_epoch, out is not None, time_up, preempted, minutes_due), bool(valid_sets))
-            if decision.validate:
-                last_valid = validate(trainer, valid_sets, extra_validators)
-                first = next(iter(last_valid.values()))
-                improved = best.update(first[best.metric], n)
-                for split, m in last_valid.items():
-                    samples = {k: m.pop(k) for k in ("sample_hypothesis", "sample_reference") if k in m}
-                    rec = {"type": "valid", "subset": split, "epoch": itr.epoch, "num_updates": n,
-                           **{k: v for k, v in m.items()}, "best_" + best.metric: best.value, **samples}
-                    log.record(rec)
-                    log.line(f"valid on '{split}' | epoch {itr.epoch} | update {n} | "
-                             + " | ".join(f"{k} {fmt_number(v)}" for k, v in m.items() if k != "ntokens")
-                             + f" | best {best.metric} {fmt_number(best.value)}", None)
-                    for k, text in samples.items():
-                        log.info(f"valid on '{split}' | example {k.split('_')[1]}: {text}")
-                decision = decisions.after_validation(cfg, decision, improved, best.bad_validations,
-                                                      first[best.metric], n)
-                if decision.stop == "patience":
-                    log.info(f"early stop: {best.metric} has not improved for {cfg.patience} validations")
-            stop, names = decision.stop, decision.save
-            if names:
-                save(names)
-                last_save = time.perf_counter()
-                if stop is None and distributed.any_rank([preemption is not None and preemption.requested],
-                                                         trainer.device)[0]:
-                    stop = "preempted"  # arrived while saving: the checkpoint just written holds this update
-            if stop is not None:
-                saver.wait()  # the last checkpoint is on disk before the run says so or exits
-            if stop == "preempted":
-                why = preemption.signal_name if preemption is not None and preemption.signal_name else \
-                    "a signal to another rank"
-                log.info(f"preempted by {why}: stopped after update {n} and saved "
-                         f"{saver.save_dir / checkpoint.LAST}; run the same command again to resume")
-            if stop is not None:
-                break
-    v = next(iter(last_valid.values())) if last_valid else {}
-    return {"type": "summary", "stop_reason": stop, "num_updates": trainer.num_updates, "epoch": itr.epoch,
-            "train_time": train_time(), "updates_this_run": trainer.num_updates - start_updates,
-            "best_metric": best.metric, "best": best.value, "best_num_updates": best.num_updates,
-            "valid": {k: v[k] for k in v}, "lr": trainer.lr, "num_overflows": trainer.num_overflows}
