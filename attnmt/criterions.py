@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attnmt.backends.kernels import LossKernel, Projection
 from attnmt.models.interface import unwrap
+from attnmt.models.kernels import LossKernel, Projection
 from attnmt.registry import register
 
 LN2 = math.log(2.0)

@@ -236,7 +236,7 @@ def cross_attention_dump(bundle, source: str, reference: str | None = None, sear
     from attnmt.backends import backend_for
     from attnmt.generation.generator import Generator, collate
     from attnmt.generation.search import SearchConfig
-    from attnmt.models.interface import AttentionMaps
+    from attnmt.models.attention_maps import attention_maps_of
 
     model = bundle.model
     if not source.strip():
@@ -266,10 +266,7 @@ def cross_attention_dump(bundle, source: str, reference: str | None = None, sear
     eos = bundle.symbols.eos
     src_tokens, src_lengths = collate([src_ids], bundle.symbols.pad, device)
     prev, _ = collate([[eos] + tgt_ids[:-1]], bundle.symbols.pad, device)  # the decoder input: </s> then y_<t
-    if not isinstance(model, AttentionMaps):
-        raise UserError(f"this model ({type(model).__name__}) does not give its attention weights, so there is no "
-                        f"attention map to plot")
-    weights = model.cross_attention_weights(src_tokens, src_lengths, prev)[0].float().cpu()  # (L, H, T, S)
+    weights = attention_maps_of(model)(src_tokens, src_lengths, prev)[0].float().cpu()  # (L, H, T, S)
     return AttentionDump(weights=weights, source_pieces=[bundle.src_dict[i] for i in src_ids],
                          target_pieces=[bundle.tgt_dict[i] for i in tgt_ids], source_lang=bundle.source_lang,
                          target_lang=bundle.target_lang, forced=reference is not None,

@@ -14,7 +14,7 @@ from attnmt.cli import main
 from attnmt.config import make_config, to_dict
 from attnmt.data.dictionary import Dictionary
 from attnmt.errors import UserError
-from attnmt.models.attention_maps import attention_weights, decode_with_cross_attention
+from attnmt.models.attention_maps import attention_weights, cross_attention_weights, decode_with_cross_attention
 from attnmt.models.transformer import MultiHeadAttention, TransformerConfig, TransformerModel, key_padding_mask
 
 mpimg = pytest.importorskip("matplotlib.image")
@@ -59,7 +59,7 @@ def read_png(path):
 def test_cross_attention_weights_are_distributions_over_real_source_tokens(pre_norm):
     model = tiny_model(encoder_normalize_before=pre_norm, decoder_normalize_before=pre_norm)
     src, lengths, prev = padded_batch()
-    w = model.cross_attention_weights(src, lengths, prev)
+    w = cross_attention_weights(model, src, lengths, prev)
     B, S = src.shape
     assert w.shape == (B, 2, 4, prev.size(1), S)
     assert torch.allclose(w.sum(-1), torch.ones(w.shape[:-1]), atol=1e-5)
@@ -72,9 +72,9 @@ def test_cross_attention_weights_are_distributions_over_real_source_tokens(pre_n
 def test_cross_attention_weights_run_in_eval_mode_and_restore_the_mode():
     model = tiny_model(dropout=0.5, attention_dropout=0.5)
     src, lengths, prev = padded_batch()
-    expected = model.cross_attention_weights(src, lengths, prev)
+    expected = cross_attention_weights(model, src, lengths, prev)
     model.train()
-    again = model.cross_attention_weights(src, lengths, prev)
+    again = cross_attention_weights(model, src, lengths, prev)
     assert model.training
     assert torch.equal(expected, again)  # no dropout in the analysis path
     assert not again.requires_grad
@@ -107,7 +107,7 @@ def test_analysis_path_gives_the_fast_path_logits(pre_norm):
         logits, weights = decode_with_cross_attention(model, prev, enc)
     real = prev.ne(PAD)
     assert (fast - logits)[real].abs().max() < 1e-5
-    assert torch.equal(weights, model.cross_attention_weights(src, lengths, prev))
+    assert torch.equal(weights, cross_attention_weights(model, src, lengths, prev))
 
 
 def test_the_weights_follow_the_source():
@@ -116,8 +116,8 @@ def test_the_weights_follow_the_source():
     src, lengths, prev = padded_batch()
     other = src.clone()
     other[0, 1] = 5 if int(src[0, 1]) != 5 else 6
-    a = model.cross_attention_weights(src, lengths, prev)
-    b = model.cross_attention_weights(other, lengths, prev)
+    a = cross_attention_weights(model, src, lengths, prev)
+    b = cross_attention_weights(model, other, lengths, prev)
     assert (a[0] - b[0]).abs().max() > 1e-4
     assert torch.allclose(a[1:], b[1:])  # other sentences of the batch are untouched
 

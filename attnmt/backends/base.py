@@ -9,7 +9,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from attnmt.backends.kernels import DecodingKernels
+from attnmt.models.kernels import DecodingKernels
 from attnmt.models.linear import Linear
 
 Mode = Literal["train", "generate"]
@@ -98,7 +98,7 @@ class Backend:
             criterion.loss_kernel = self.loss_kernel()
 
     def loss_kernel(self):
-        """The compiled loss kernel (``kernels.LossKernel``) of this device, or None: PyTorch's passes."""
+        """The compiled loss kernel (``models.kernels.LossKernel``) of this device, or None: PyTorch's passes."""
         return None
 
     def loss_projection(self):

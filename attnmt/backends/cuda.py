@@ -43,8 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnmt.backends.base import Backend, HostStaging, Mode
-from attnmt.backends.kernels import DecodingKernels
 from attnmt.errors import UserError
+from attnmt.models.kernels import DecodingKernels
 from attnmt.models.linear import set_plain_attention_max_len
 from attnmt.models.packing import set_row_packing
 

@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 from attnmt.backends.capabilities import CpuCapabilities
-from attnmt.backends.kernels import DropoutMasks, LossKernel, ScoreKernel, StepAttention, StepRows, TrainingAttention
+from attnmt.models.kernels import DropoutMasks, LossKernel, ScoreKernel, StepAttention, StepRows, TrainingAttention
 from attnmt.models.packing import SentenceRows
 
 SWITCH = "ATTNMT_CPU_KERNELS"
@@ -283,7 +283,7 @@ def _takes_rows(x: Tensor, functions: dict) -> bool:
 
 
 class CompiledStepAttention(StepAttention):
-    """:class:`~attnmt.backends.kernels.StepAttention` by the compiled kernel (fp32 and bf16 queries); it runs
+    """:class:`~attnmt.models.kernels.StepAttention` by the compiled kernel (fp32 and bf16 queries); it runs
     on ``torch.get_num_threads()`` threads, as PyTorch's own kernels do."""
 
     def __init__(self, library: ctypes.CDLL):
@@ -337,7 +337,7 @@ class CompiledStepAttention(StepAttention):
 
 
 class CompiledScores(ScoreKernel):
-    """:class:`~attnmt.backends.kernels.ScoreKernel` by the compiled kernel (fp32 and bf16 logits), on
+    """:class:`~attnmt.models.kernels.ScoreKernel` by the compiled kernel (fp32 and bf16 logits), on
     ``torch.get_num_threads()`` threads."""
 
     def __init__(self, library: ctypes.CDLL):
@@ -360,7 +360,7 @@ class CompiledScores(ScoreKernel):
 
 
 class CompiledSmoothedLoss(LossKernel):
-    """:class:`~attnmt.backends.kernels.LossKernel` by the compiled kernel (fp32 and bf16 logits), on
+    """:class:`~attnmt.models.kernels.LossKernel` by the compiled kernel (fp32 and bf16 logits), on
     ``torch.get_num_threads()`` threads."""
 
     def __init__(self, library: ctypes.CDLL):
@@ -431,7 +431,7 @@ class _FusedAttention(torch.autograd.Function):
 
 
 class CompiledTrainingAttention(TrainingAttention):
-    """:class:`~attnmt.backends.kernels.TrainingAttention` by the compiled kernel (fp32), on
+    """:class:`~attnmt.models.kernels.TrainingAttention` by the compiled kernel (fp32), on
     ``torch.get_num_threads()`` threads."""
 
     def __init__(self, library: ctypes.CDLL):
@@ -471,7 +471,7 @@ class CompiledTrainingAttention(TrainingAttention):
 
 
 class CompiledDropout(DropoutMasks):
-    """:class:`~attnmt.backends.kernels.DropoutMasks` by the compiled kernel (fp32 and bf16), on
+    """:class:`~attnmt.models.kernels.DropoutMasks` by the compiled kernel (fp32 and bf16), on
     ``torch.get_num_threads()`` threads."""
 
     def __init__(self, library: ctypes.CDLL):

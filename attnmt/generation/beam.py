@@ -12,9 +12,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from attnmt.backends.kernels import DecodingKernels
 from attnmt.generation.search import Hypothesis, SearchConfig, SearchStrategy, Symbols, next_token_extensions
 from attnmt.models.interface import SearchModel
+from attnmt.models.kernels import DecodingKernels
 from attnmt.registry import register
 
 

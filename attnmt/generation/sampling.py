@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from attnmt.backends.kernels import DecodingKernels
 from attnmt.generation.search import (
     NEG_INF,
     Hypothesis,
@@ -19,6 +18,7 @@ from attnmt.generation.search import (
     step_log_probs,
 )
 from attnmt.models.interface import SearchModel
+from attnmt.models.kernels import DecodingKernels
 from attnmt.registry import register
 
 

@@ -44,8 +44,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from attnmt.backends.kernels import DecodingKernels
 from attnmt.models.interface import SearchModel
+from attnmt.models.kernels import DecodingKernels
 
 NEG_INF = float("-inf")
 

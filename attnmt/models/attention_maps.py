@@ -3,15 +3,20 @@
 Training and translation never form these weights: ``scaled_dot_product_attention`` computes attention without
 returning them. This module runs the decoder teacher-forced as ``decode`` does without a cache, except that each
 layer's encoder-decoder attention is the explicit softmax(Q K^T / sqrt(d_k)) (:func:`attention_weights`),
-multiplied into V as the fused kernel would: the same outputs, and the weights besides. A model that offers such
-maps implements :class:`~attnmt.models.interface.AttentionMaps`.
+multiplied into V as the fused kernel would: the same outputs, and the weights besides. :func:`attention_maps_of`
+gives any model's maps: a model that offers its own implements :class:`~attnmt.models.interface.AttentionMaps`.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
+from attnmt.errors import UserError
+from attnmt.models.interface import AttentionMaps
 from attnmt.models.transformer import (
     DecoderLayer,
     EncoderOut,
@@ -61,6 +66,18 @@ def decode_with_cross_attention(model: TransformerModel, prev_output_tokens: Ten
     if decoder.final_norm is not None:
         x = decoder.final_norm(x)
     return decoder.output_projection(x), torch.stack(weights, dim=1)
+
+
+def attention_maps_of(model) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    """``(src_tokens, src_lengths, prev_output_tokens) -> weights (B, L, H, T, S)`` for ``model``: its own
+    ``cross_attention_weights`` (:class:`AttentionMaps`), or this module's for a Transformer; a one-line error
+    for a model that has neither."""
+    if isinstance(model, AttentionMaps):
+        return model.cross_attention_weights
+    if isinstance(model, TransformerModel):
+        return functools.partial(cross_attention_weights, model)
+    raise UserError(f"this model ({type(model).__name__}) does not give its attention weights, so there is no "
+                    f"attention map to plot")
 
 
 def cross_attention_weights(model: TransformerModel, src_tokens: Tensor, src_lengths: Tensor,

@@ -12,7 +12,7 @@ two more passes; in a bf16 training step of the small Transformer that was about
   halve it (docs/experiments.md);
 * ``x + dropout(y)``, the residual connection, is one ``addcmul`` (forward) and one multiply (backward);
 * where the backend gives a kernel for the masks (``DropoutKernel.dropout_masks``, a
-  :class:`~attnmt.backends.kernels.DropoutMasks`: the CPU's compiled one), each element's 15 bits come from a
+  :class:`~attnmt.models.kernels.DropoutMasks`: the CPU's compiled one), each element's 15 bits come from a
   hash of a seed and its index, inside the one pass that applies them: forward and backward each read and write
   the activations once, and no mask is stored (the backward pass computes it again from the seed). The drop
   probability and the scale are the same; the seed is one draw from the global generator per call.
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnmt.backends.kernels import DropoutMasks
+from attnmt.models.kernels import DropoutMasks
 from attnmt.models.linear import DropoutKernel
 
 # activation dtype -> (integer dtype of the same width, bit pattern of 1.0 in that dtype)

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from attnmt.backends.kernels import DecodingKernels
 from attnmt.models.interface import EncoderDecoderModel, SearchModel
+from attnmt.models.kernels import DecodingKernels
 
 
 @dataclass
@@ -73,7 +73,9 @@ class Ensemble(SearchModel):
         return min(s for s, _ in limits), min(t for _, t in limits)
 
     def cross_attention_weights(self, src_tokens: Tensor, src_lengths: Tensor, prev_output_tokens: Tensor) -> Tensor:
-        weights = [m.cross_attention_weights(src_tokens, src_lengths, prev_output_tokens) for m in self.members]
+        from attnmt.models.attention_maps import attention_maps_of
+
+        weights = [attention_maps_of(m)(src_tokens, src_lengths, prev_output_tokens) for m in self.members]
         if len({w.shape for w in weights}) > 1:
             raise ValueError("the ensemble's members have different layers or heads; plot one member's attention")
         return torch.stack(weights).mean(dim=0)

@@ -40,8 +40,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from attnmt.backends.kernels import RowBucket, StepAttention, StepRows
 from attnmt.models.interface import DecoderCache, LayerCache
+from attnmt.models.kernels import RowBucket, StepAttention, StepRows
 
 # compact the buffers once the live sentences are at most this fraction of the buffered ones
 COMPACT_FRACTION = 0.5

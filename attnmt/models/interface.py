@@ -18,7 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from attnmt.backends.kernels import DecodingKernels
+from attnmt.models.kernels import DecodingKernels
 
 
 class LayerCache(ABC):

@@ -7,12 +7,12 @@
 * :class:`AttentionKernel`: attention modules choose between ``scaled_dot_product_attention`` and the plain
   matmul-softmax-matmul by the sequence length; the backend sets the length up to which the plain form runs
   (:func:`set_plain_attention_max_len`), and may give a kernel that computes the plain form, forward and backward,
-  in one call each (:func:`set_fused_attention`, a :class:`~attnmt.backends.kernels.TrainingAttention`).
+  in one call each (:func:`set_fused_attention`, a :class:`~attnmt.models.kernels.TrainingAttention`).
 * :class:`DropoutKernel`: modules that drop activations in training draw their masks either with
   ``torch.nn.functional.dropout`` (the default: a GPU's fused kernel) or from raw random bits
   (``models/dropout.py``: several times cheaper on the CPU); the backend chooses (:func:`set_random_bit_dropout`),
   and may give a kernel that computes the same masks from a seed and the element's index inside the pass that
-  applies them (:func:`set_dropout_masks`, a :class:`~attnmt.backends.kernels.DropoutMasks`).
+  applies them (:func:`set_dropout_masks`, a :class:`~attnmt.models.kernels.DropoutMasks`).
 
 The model never asks which device it runs on.
 """
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnmt.backends.kernels import DropoutMasks, TrainingAttention
+from attnmt.models.kernels import DropoutMasks, TrainingAttention
 
 
 class Linear(nn.Linear):

@@ -7,7 +7,7 @@ so when the positions wanted (``output_mask``) are a prefix of each sentence, th
 position after them: computing the padding changes nothing the loss sees. :class:`PackedRows` keeps the
 decoder's hidden states as the (N, D) rows of the N real positions instead; the position-wise layers (the
 projections, the feed-forward layers, the layer norms, residual dropout) run on those rows as they would on
-(B, T, D). A backend's attention kernel (:class:`~attnmt.backends.kernels.TrainingAttention`) reads the rows
+(B, T, D). A backend's attention kernel (:class:`~attnmt.models.kernels.TrainingAttention`) reads the rows
 where they are, told where each sentence's rows lie (:class:`SentenceRows`). PyTorch's attention needs the
 (B, T) grid: :meth:`PackedRows.split_heads` writes the rows into zero-padded (B, H, T, Dh) heads and
 :meth:`PackedRows.merge_heads` reads them back, one copy each way, the same copy that splitting the heads of a

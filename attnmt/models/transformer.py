@@ -36,12 +36,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attnmt.backends.kernels import DecodingKernels, TrainingAttention
 from attnmt.errors import UserError
 from attnmt.models.dropout import Dropout
 from attnmt.models.dropout import dropout as dropout_weights
 from attnmt.models.incremental import SlotCache
 from attnmt.models.interface import DecoderCache, EncoderDecoderModel, LayerCache
+from attnmt.models.kernels import DecodingKernels, TrainingAttention
 from attnmt.models.linear import AttentionKernel, DropoutKernel, Linear
 from attnmt.models.packing import PackedRows, RowPacking, SentenceRows, is_prefix
 from attnmt.registry import register
@@ -658,13 +658,6 @@ class TransformerModel(EncoderDecoderModel):
     def output_layer(self, features: Tensor) -> Tensor:
         """Logits (..., V) of decoder features (..., D): the pre-softmax projection (3.4)."""
         return self.decoder.output_projection(features)
-
-    def cross_attention_weights(self, src_tokens: Tensor, src_lengths: Tensor, prev_output_tokens: Tensor) -> Tensor:
-        """Encoder-decoder attention weights (B, L, H, T, S), for plots (``AttentionMaps``; computed in
-        ``models/attention_maps.py``)."""
-        from attnmt.models.attention_maps import cross_attention_weights
-
-        return cross_attention_weights(self, src_tokens, src_lengths, prev_output_tokens)
 
     def new_cache(self, beam: int = 1, kernels: DecodingKernels = DecodingKernels()) -> DecoderCache:
         """An empty cache for ``decode``; ``beam``: decoder rows per sentence of the encoder output; ``kernels``:

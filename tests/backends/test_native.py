@@ -14,9 +14,9 @@ from conftest import tiny_transformer
 import attnmt.criterions as C
 from attnmt.backends import capabilities, native
 from attnmt.backends.cpu import CpuBackend
-from attnmt.backends.kernels import DecodingKernels, StepRows
 from attnmt.criterions import LabelSmoothedCrossEntropy, LabelSmoothedCrossEntropyConfig
 from attnmt.generation.search import SearchConfig, Symbols, search
+from attnmt.models.kernels import DecodingKernels, StepRows
 
 pytestmark = pytest.mark.precision  # compiled for the vector instructions PyTorch uses here (CI: AVX2 as well)
 

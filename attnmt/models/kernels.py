@@ -4,7 +4,8 @@ A backend (``attnmt/backends/``) may give the model, the search or the training 
 their steps faster on its hardware; each kernel implements one of these contracts, says with ``supports`` which
 operands it takes, and computes what the plain PyTorch form computes, up to rounding. The model, the cache, the
 search and the criterion hold a kernel only through these types and never ask which device they run on; the CPU's
-compiled kernels (:mod:`attnmt.backends.native`) are the implementations today.
+compiled kernels (:mod:`attnmt.backends.native`) are the implementations today. The contracts sit in the model
+layer, below the backends that implement them, so that the model never imports a backend.
 
 * :class:`StepAttention`: a decoding step's attention over the slot cache; :class:`StepRows` says which rows are
   whose.
