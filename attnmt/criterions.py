@@ -104,11 +104,13 @@ def _smoothed_rows(logits: torch.Tensor, target: torch.Tensor, epsilon: float, l
         _add_at_targets(grad, target, -(1.0 - epsilon))
 
 
-def _add_at_targets(x: torch.Tensor, target: torch.Tensor, value: float) -> None:
-    """``x[i, target[i]] += value`` for every row i, in place."""
+def _add_at_targets(x: torch.Tensor, target: torch.Tensor, value: float | torch.Tensor) -> None:
+    """``x[i, target[i]] += value`` for every row i, in place (``value``: a number or a 0-dim tensor)."""
     n, vocab = x.shape
     offsets = torch.arange(n, device=x.device) * vocab + target
-    x.view(-1).index_add_(0, offsets, torch.full((n,), value, dtype=x.dtype, device=x.device))
+    values = (value.to(x.dtype).expand(n) if torch.is_tensor(value)
+              else torch.full((n,), value, dtype=x.dtype, device=x.device))
+    x.view(-1).index_add_(0, offsets, values)
 
 
 def _sums(lp_y: torch.Tensor, lp_sum: torch.Tensor, weight: torch.Tensor | None, epsilon: float,
@@ -158,9 +160,7 @@ class _SmoothedNLL(torch.autograd.Function):
         out = grad * _incoming(grad_loss, grad_nll, grad.dtype)
         if grad_nll is not None and eps:
             extra = (grad_nll * (eps / grad.size(1))).to(out.dtype).expand_as(out).clone()
-            onehot = torch.zeros_like(extra)
-            _add_at_targets(onehot, target, -eps)
-            extra += onehot * grad_nll.to(out.dtype)
+            _add_at_targets(extra, target, grad_nll * -eps)
             if weight is not None:
                 extra.mul_(weight.to(extra.dtype)[:, None])
             out += extra

@@ -135,6 +135,14 @@ def test_fused_loss_gradient_equals_autograd_reference(eps):
     assert torch.allclose(loss, ref_loss, rtol=1e-6) and torch.allclose(nll, ref_nll, rtol=1e-6)
     assert torch.allclose(logits.grad, ref_logits.grad, atol=1e-6)
     assert torch.count_nonzero(logits.grad[[1, 7]]) == 0  # padding rows get no gradient
+    # the NLL's own gradient (a loss mixing both outputs), padding rows weighted 0
+    logits.grad = ref_logits.grad = None
+    loss, nll = smoothed_cross_entropy(logits, target, PAD, eps)
+    (0.7 * loss + 0.3 * nll).backward()
+    ref_loss, ref_nll = label_smoothed_nll_loss(torch.log_softmax(ref_logits[keep], -1), target[keep], eps)
+    (0.7 * ref_loss + 0.3 * ref_nll).backward()
+    assert torch.allclose(logits.grad, ref_logits.grad, atol=1e-6)
+    assert torch.count_nonzero(logits.grad[[1, 7]]) == 0
 
 
 @pytest.mark.precision

@@ -102,7 +102,7 @@ class Backend:
         return None
 
     def loss_projection(self):
-        """The product ``a @ b^T`` of the fp32 vocabulary projection in the loss (``criterions.Projection``), or
+        """The product ``a @ b^T`` of the fp32 vocabulary projection in the loss (``models.kernels.Projection``), or
         None: ``torch.mm``."""
         return None
 

@@ -69,7 +69,8 @@ class BleuValidator:
         was_training = model.training
         model.eval()
         try:
-            gen = Generator(model, self.symbols, self.search_cfg, self.backend, max_source_positions=model.max_positions()[0], truncate_source=True)
+            gen = Generator(model, self.symbols, self.search_cfg, self.backend,
+                            max_source_positions=model.max_positions()[0], truncate_source=True)
             mine = list(range(distributed.rank(), len(self.sources), distributed.world_size()))
             local = {}
             for i, h in gen.generate([self.sources[j] for j in mine], max_tokens=self.max_tokens,
