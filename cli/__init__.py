@@ -29,6 +29,7 @@ COMMANDS = {
     "export": "export",
     "import-fairseq": "import_fairseq",
     "interactive": "interactive",
+    "serve": "serve",
 }
 
 

@@ -8,48 +8,21 @@ Progress and a speed summary go to stderr.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import sys
 import time
 
 import click
 
-from attnmt import registry
-from attnmt.config import add_options, fields_of, given_options, make_config, option_name, split_given
+from attnmt.config import add_options, given_options
 from attnmt.errors import UserError
 from attnmt.generation.generator import GenerationConfig
+from attnmt.generation.options import generation_configs, search_option_classes
 from attnmt.generation.search import SearchConfig
-
-
-def search_option_classes() -> list[type]:
-    """The search options: the shared ones and those of every registered strategy (plugins included)."""
-    registry.load_builtins()
-    return [SearchConfig, *(e.config for e in registry.REGISTRIES["search"].entries.values() if e.config is not None)]
-
-
-def search_config(given: dict) -> SearchConfig:
-    """The typed search config, with the chosen strategy's own options; an option of another strategy is an error."""
-    if given.get("sampling") and given.get("search", "sampling") != "sampling":
-        raise UserError(f"--sampling and --search {given['search']} disagree (--sampling means --search sampling); "
-                        f"give one of them")
-    name = "sampling" if given.get("sampling") else given.get("search", "beam")
-    strategy = registry.get("search", name)
-    per, leftovers = split_given(given, {"search": SearchConfig, "options": strategy.config})
-    if leftovers:
-        owners = {k: [n for n, e in registry.REGISTRIES["search"].entries.items()
-                      if e.config is not None and k in fields_of(e.config)] for k in leftovers}
-        raise UserError("; ".join(f"{option_name(k)} is an option of --search {' / '.join(owners[k]) or '?'}, not of "
-                                  f"--search {name}" for k in leftovers) + "; remove it or choose that search")
-    options = make_config(strategy.config, per["options"], what=f"--search {name}") if strategy.config else None
-    return dataclasses.replace(make_config(SearchConfig, per["search"]), options=options)
 
 
 def configs(params: dict) -> tuple[SearchConfig, GenerationConfig]:
     """The typed search and generation configs from the options the user gave."""
-    given = given_options(params)
-    gen_names = fields_of(GenerationConfig)
-    gen = make_config(GenerationConfig, {k: v for k, v in given.items() if k in gen_names})
-    return search_config({k: v for k, v in given.items() if k not in gen_names}), gen
+    return generation_configs(given_options(params))
 
 
 def remove_bpe_option(command):

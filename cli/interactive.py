@@ -14,10 +14,11 @@ import time
 
 import click
 
-from attnmt.cli.generate import print_summary, remove_bpe_option, search_option_classes
+from attnmt.cli.generate import print_summary, remove_bpe_option
 from attnmt.config import add_options
 from attnmt.errors import UserError
 from attnmt.generation.generator import GenerationConfig
+from attnmt.generation.options import search_option_classes
 
 
 def _segmentation(bundle, tokenizer: str | None, bpe: str | None, spm_model: str | None,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from attnmt.cli.generate import search_config, search_option_classes
 from attnmt.config import add_options, given_options
+from attnmt.generation.options import search_config, search_option_classes
 
 
 @click.group("plot")

@@ -16,10 +16,11 @@ from collections.abc import Iterator
 
 import click
 
-from attnmt.cli.generate import print_summary, remove_bpe_option, search_option_classes
+from attnmt.cli.generate import print_summary, remove_bpe_option
 from attnmt.config import add_options
 from attnmt.errors import UserError
 from attnmt.generation.generator import GenerationConfig
+from attnmt.generation.options import search_option_classes
 
 
 def _fileno(stream) -> int | None:

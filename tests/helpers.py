@@ -94,3 +94,55 @@ def small_batch():
     lengths = src.ne(PAD).sum(1)
     return {"net_input": {"src_tokens": src, "src_lengths": lengths, "prev_output_tokens": prev},
             "target": target, "ntokens": int(target.ne(PAD).sum()), "nsentences": 3}
+
+
+SENTENCE_WORDS = ("a man woman dog runs jumps over the red blue ball child plays in park with water green house "
+                  "two girls sit on bench near street").split()
+
+
+def sentence_lines(n: int, seed: int) -> list[str]:
+    """``n`` English-looking raw sentences (capitalised, a final full stop)."""
+    import random
+
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(SENTENCE_WORDS) for _ in range(rng.randint(1, 14))).capitalize() + "."
+            for _ in range(n)]
+
+
+def make_checkpoint(d: Path) -> Path:
+    """A self-contained checkpoint in ``d``: random tiny Transformer, SentencePiece model and joined dictionary."""
+    from attnmt import registry
+    from attnmt.config import to_dict
+    from attnmt.data.subword import SentencePieceBPE, TextPipeline
+    from attnmt.fileio import atomic_torch_save
+
+    registry.load_builtins()
+    corpus = d / "corpus.txt"
+    corpus.write_text("\n".join(sentence_lines(300, 0)) + "\n", encoding="utf-8")
+    bpe = SentencePieceBPE.train([str(corpus)], 60, str(d / "spm"))
+    pipe = TextPipeline(None, bpe)
+    vocab = Dictionary()
+    for line in sentence_lines(300, 0):
+        for p in pipe.encode(line).split():
+            vocab.add_symbol(p)
+    vocab.finalize(padding_factor=8)
+    cfg = TransformerConfig(encoder_layers=2, decoder_layers=2, encoder_embed_dim=16, decoder_embed_dim=16,
+                            encoder_ffn_embed_dim=32, decoder_ffn_embed_dim=32, encoder_attention_heads=2,
+                            decoder_attention_heads=2, share_all_embeddings=True, max_source_positions=96,
+                            max_target_positions=96)
+    torch.manual_seed(0)
+    model = TransformerModel.build(cfg, len(vocab), len(vocab), vocab.pad(), joint_vocab=True)
+    with torch.no_grad():  # make EOS likely enough that hypotheses end at different lengths
+        model.decoder.output_projection.weight[vocab.eos()] *= 4
+    data = {
+        "source_lang": "en", "target_lang": "de", "joint_dictionary": True,
+        "src_dict": vocab.to_state(), "tgt_dict": vocab.to_state(),
+        "src_dict_sha256": vocab.checksum(), "tgt_dict_sha256": vocab.checksum(),
+        "bpe": "sentencepiece",
+        "bpe_model": torch.frombuffer(bytearray(bpe.model_bytes()), dtype=torch.uint8).clone(),
+        "tokenizer": "moses", "lowercase": False,
+    }
+    state = {"format": "attnmt-checkpoint", "version": 1, "model_name": "transformer", "arch": "transformer_small",
+             "model_config": to_dict(cfg), "model": model.state_dict(), "data": data}
+    atomic_torch_save(state, d / "checkpoint_best.pt")
+    return d / "checkpoint_best.pt"

@@ -20,10 +20,12 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("components", ("attnmt.criterions", "attnmt.optim", "attnmt.tasks", "attnmt.checkpoint", "attnmt.backends")),
     ("inference", ("attnmt.generation", "attnmt.inference", "attnmt.checkpoint.averaging", "attnmt.builtins")),
     ("work", ("attnmt.training", "attnmt.preprocess", "attnmt.plots", "attnmt.interop")),
+    ("service", ("attnmt.api", "attnmt.serve")),
     ("commands", ("attnmt.cli",)),
 ]
-# the one upward import: the registry imports the built-in components when first asked for a name
-ALLOWED = {("attnmt.registry", "attnmt.builtins")}
+# the upward imports: the registry imports the built-in components when first asked for a name
+# and the package's public names, re-exported from the API on first use
+ALLOWED = {("attnmt.registry", "attnmt.builtins"), ("attnmt", "attnmt.api")}
 
 
 def _modules() -> dict[str, Path]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -16,63 +15,26 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers import SENTENCE_WORDS, make_checkpoint, sentence_lines
 
 from attnmt import registry
 from attnmt.backends import backend_for
-from attnmt.config import to_dict
 from attnmt.errors import UserError
-from attnmt.fileio import atomic_torch_save
 from attnmt.generation.beam import beam_search, greedy_search
 from attnmt.generation.generator import GenerationConfig, Generator, make_batches
 from attnmt.generation.search import SearchConfig, length_penalty
 
-WORDS = ("a man woman dog runs jumps over the red blue ball child plays in park with water green house "
-         "two girls sit on bench near street").split()
+WORDS = SENTENCE_WORDS
 
 
 def _lines(n: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 14))).capitalize() + "." for _ in range(n)]
+    return sentence_lines(n, seed)
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
     """A self-contained checkpoint: random tiny Transformer, SentencePiece model and joined dictionary."""
-    from attnmt.data.dictionary import Dictionary
-    from attnmt.data.subword import SentencePieceBPE, TextPipeline
-    from attnmt.models.transformer import TransformerConfig, TransformerModel
-
-    registry.load_builtins()
-    d = tmp_path_factory.mktemp("ckpt")
-    corpus = d / "corpus.txt"
-    corpus.write_text("\n".join(_lines(300, 0)) + "\n", encoding="utf-8")
-    bpe = SentencePieceBPE.train([str(corpus)], 60, str(d / "spm"))
-    pipe = TextPipeline(None, bpe)
-    vocab = Dictionary()
-    for line in _lines(300, 0):
-        for p in pipe.encode(line).split():
-            vocab.add_symbol(p)
-    vocab.finalize(padding_factor=8)
-    cfg = TransformerConfig(encoder_layers=2, decoder_layers=2, encoder_embed_dim=16, decoder_embed_dim=16,
-                            encoder_ffn_embed_dim=32, decoder_ffn_embed_dim=32, encoder_attention_heads=2,
-                            decoder_attention_heads=2, share_all_embeddings=True, max_source_positions=96,
-                            max_target_positions=96)
-    torch.manual_seed(0)
-    model = TransformerModel.build(cfg, len(vocab), len(vocab), vocab.pad(), joint_vocab=True)
-    with torch.no_grad():  # make EOS likely enough that hypotheses end at different lengths
-        model.decoder.output_projection.weight[vocab.eos()] *= 4
-    data = {
-        "source_lang": "en", "target_lang": "de", "joint_dictionary": True,
-        "src_dict": vocab.to_state(), "tgt_dict": vocab.to_state(),
-        "src_dict_sha256": vocab.checksum(), "tgt_dict_sha256": vocab.checksum(),
-        "bpe": "sentencepiece",
-        "bpe_model": torch.frombuffer(bytearray(bpe.model_bytes()), dtype=torch.uint8).clone(),
-        "tokenizer": "moses", "lowercase": False,
-    }
-    state = {"format": "attnmt-checkpoint", "version": 1, "model_name": "transformer", "arch": "transformer_small",
-             "model_config": to_dict(cfg), "model": model.state_dict(), "data": data}
-    atomic_torch_save(state, d / "checkpoint_best.pt")
-    return d / "checkpoint_best.pt"
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt"))
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,311 @@
+"""The Python API: a trained model loaded once, translating and scoring lists of raw sentences.
+
+    from attnmt import Translator
+
+    with Translator("checkpoints/checkpoint_best.pt", beam=4) as t:
+        t.translate(["A man rides a bike.", "Two dogs play."])   # -> ["Ein Mann ...", "Zwei Hunde ..."]
+
+A ``Translator`` is ``attnmt translate`` as an object: the options are the command's (Python spelling: ``beam``,
+``lenpen``, ``device``, ``precision``, ``quantize``, ``max_tokens``, ``workers``, ...), checked the same way, and a
+list is batched, ordered and searched exactly as the command does it, on the same backend, so the translations are
+the command's. Bad input raises :class:`attnmt.errors.UserError` with the command's one-line message.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from attnmt.errors import UserError
+from attnmt.generation.search import Hypothesis, SearchConfig
+
+__all__ = ["Alignment", "Hypothesis", "ReferenceScore", "Translation", "Translator"]
+
+
+@dataclass
+class Alignment:
+    """Encoder-decoder attention of one translation: ``weights[t][s]``, the last decoder layer's weights averaged
+    over its heads, for target token ``t`` (predicted from row ``t``) over source token ``s``."""
+
+    source_tokens: list[str]  # the source pieces, the final </s> included
+    target_tokens: list[str]  # the target pieces, the final </s> included
+    weights: list[list[float]]
+
+
+@dataclass
+class Translation:
+    """One sentence's translation with its details (``Translator.translate(..., details=True)``)."""
+
+    text: str  # the best hypothesis, detokenized
+    score: float  # its search score: log-probability / length penalty (natural log)
+    tokens: list[str]  # its target pieces, the final </s> included
+    positional_scores: list[float]  # log-probability of each token (natural log)
+    hypotheses: list[Translation] = field(default_factory=list)  # the ``nbest`` best, this one first
+    alignment: Alignment | None = None  # with ``alignment=True``
+
+
+@dataclass
+class ReferenceScore:
+    """How likely the model finds a given translation (``Translator.score``): teacher-forced log-probabilities."""
+
+    logprob: float  # sum over the target tokens, the final </s> included (natural log)
+    positional_scores: list[float]
+    tokens: list[str]
+
+    @property
+    def score(self) -> float:
+        """The mean log-probability per token (fairseq's ``--score-reference`` score, in natural log)."""
+        return self.logprob / max(1, len(self.positional_scores))
+
+
+class Translator:
+    """A checkpoint (or an ensemble ``a.pt:b.pt``) loaded once, with ``attnmt translate``'s options.
+
+    ``options``: any option of ``attnmt translate`` in Python spelling, e.g. ``beam=5, lenpen=1.0,
+    precision="auto", quantize="int8", device="cpu", max_tokens=4000, workers=2, remove_bpe="@@ "``. Search
+    options may also be given per call of ``translate``. Thread-safe: calls are served one at a time.
+    """
+
+    def __init__(self, path: str, **options: Any):
+        from attnmt.backends import configure_process
+        from attnmt.generation.options import generation_configs, known_options
+        from attnmt.inference import load_generator
+
+        remove_bpe = options.pop("remove_bpe", None)
+        self._check_names(options, known_options(), "Translator")
+        self.search_cfg, self.gen_cfg = generation_configs(_given(options))
+        configure_process("generate", self.gen_cfg.device)
+        self.bundle, self.generator = load_generator(path, self.search_cfg, self.gen_cfg)
+        self.note = self.bundle.with_remove_bpe(remove_bpe)  # what --remove-bpe would print, if anything
+        self._options = options
+        self._generators: dict[str, Any] = {repr(self.search_cfg): self.generator}
+        self._lock = threading.Lock()  # one call translates at a time
+        self._generators_lock = threading.Lock()
+        self._next_id = 0  # numbers sentences across calls, as a stream: sampling seeds follow it
+        self.closed = False
+
+    # ---------------------------------------------------------------------------------------------- properties
+
+    @property
+    def source_lang(self) -> str:
+        return self.bundle.source_lang
+
+    @property
+    def target_lang(self) -> str:
+        return self.bundle.target_lang
+
+    @property
+    def device(self) -> torch.device:
+        return self.generator.device
+
+    @property
+    def precision(self) -> str:
+        return self.generator.backend.precision
+
+    @property
+    def stats(self):
+        """Sentences, tokens and seconds translated so far (``GenerationStats``, all configs together)."""
+        return self.generator.stats
+
+    # ---------------------------------------------------------------------------------------------- translate
+
+    def translate(self, sources: str | Sequence[str], *, details: bool = False, alignment: bool = False,
+                  **search: Any):
+        """Translate one sentence (a ``str``) or a list of them, in order.
+
+        Returns the translation (``str``), or with ``nbest`` > 1 the list of the ``nbest`` best; for a list of
+        sources, a list of those. ``details=True`` (or ``alignment=True``) returns :class:`Translation` objects
+        instead: text, score, pieces, per-token log-probabilities, the ``nbest`` hypotheses and, with
+        ``alignment=True``, the attention weights. ``search``: search options for this call (``beam``, ``nbest``,
+        ``lenpen``, ``sampling``, ...), on top of the ones given when loading.
+        """
+        single = isinstance(sources, str)
+        lines = _lines([sources] if single else sources, "sources")
+        results = self.translate_batch(lines, details=details or alignment, alignment=alignment, **search)
+        return results[0] if single else results
+
+    def translate_batch(self, lines: list[str], *, details: bool = False, alignment: bool = False, **search: Any):
+        """``translate`` for a list of strings already checked."""
+        return self.translate_encoded(self.encode_batch(lines), details=details, alignment=alignment, **search)
+
+    def translate_encoded(self, sources: list[list[int]], *, details: bool = False, alignment: bool = False,
+                          **search: Any):
+        """``translate`` for sentences already encoded (``encode``): what the service calls per batch."""
+        generator = self.generator_for(search)
+        with self._lock:
+            self._check_open()
+            first, self._next_id = self._next_id, self._next_id + len(sources)
+            out: list[Any] = [None] * len(sources)
+            for i, hyps in generator.generate(sources, self.gen_cfg.max_tokens, self.gen_cfg.batch_size,
+                                              first_id=first, where="input"):
+                out[i] = self._result(sources[i], hyps, generator.search_cfg, details or alignment, alignment)
+        return out
+
+    def encode(self, line: str) -> list[int]:
+        """The source ids of a raw line (its final </s> included), as ``translate`` segments it."""
+        return self.bundle.encode_source(line)
+
+    def encode_batch(self, lines: list[str]) -> list[list[int]]:
+        """``encode`` for a list of lines."""
+        return self.bundle.encode_sources(lines)
+
+    def max_source_tokens(self) -> int:
+        """The longest source, in tokens with the final </s>, the model accepts."""
+        return self.bundle.max_source_positions()
+
+    def generator_for(self, search: dict[str, Any]):
+        """The generator of this call's search options (the loaded one when there are none)."""
+        if not search:
+            return self.generator
+        from attnmt.generation.generator import Generator
+        from attnmt.generation.options import search_config
+
+        self._check_names(search, _search_names(), "translate")
+        given = {**_given({k: v for k, v in self._options.items() if k in _search_names()}), **_given(search)}
+        cfg = search_config(given)
+        key = repr(cfg)
+        with self._generators_lock:
+            found = self._generators.get(key)
+            if found is None:
+                if self.generator.pool is not None:
+                    raise UserError(f"search options per call ({', '.join(sorted(search))}) need workers=1: "
+                                    f"the {len(self.generator.pool)} decoding workers were started with the "
+                                    f"Translator's own; give them when loading")
+                found = Generator(self.bundle.model, self.bundle.symbols, cfg, self.generator.backend,
+                                  max_source_positions=self.bundle.max_source_positions(),
+                                  truncate_source=self.gen_cfg.truncate_source)
+                found.stats = self.generator.stats
+                self._generators[key] = found
+        return found
+
+    def _result(self, source_ids: list[int], hyps: list[Hypothesis], cfg: SearchConfig, details: bool,
+                alignment: bool):
+        b = self.bundle
+        texts = [b.detokenize(b.target_pieces(h.tokens)) for h in hyps] or [""]
+        if not details:
+            return texts[0] if cfg.nbest == 1 else texts
+        found = [Translation(text=t, score=float(h.score), tokens=[b.tgt_dict[i] for i in h.tokens],
+                             positional_scores=[float(p) for p in h.positional_scores]) for t, h in zip(texts, hyps)]
+        if not found:  # nothing within the length limit: an empty translation, as the command writes
+            found = [Translation(text="", score=float("-inf"), tokens=[], positional_scores=[])]
+        best = found[0]
+        best.hypotheses = found
+        if alignment and hyps:
+            best.alignment = self._alignment(source_ids, list(hyps[0].tokens))
+        return best
+
+    def _alignment(self, source_ids: list[int], target_ids: list[int]) -> Alignment:
+        from attnmt.generation.generator import collate
+        from attnmt.models.attention_maps import attention_maps_of
+
+        b, g = self.bundle, self.generator
+        src, lengths = collate([source_ids], b.symbols.pad, g.device)
+        prev, _ = collate([[b.symbols.eos] + target_ids[:-1]], b.symbols.pad, g.device)
+        with torch.inference_mode(), g._autocast():
+            weights = attention_maps_of(b.model)(src, lengths, prev)[0][-1].float().mean(0).cpu()  # (T, S)
+        return Alignment(source_tokens=[b.src_dict[i] for i in source_ids],
+                         target_tokens=[b.tgt_dict[i] for i in target_ids],
+                         weights=[[round(float(w), 6) for w in row] for row in weights])
+
+    # ---------------------------------------------------------------------------------------------- score
+
+    def score(self, sources: Sequence[str], references: Sequence[str]) -> list[ReferenceScore]:
+        """How likely the model finds each reference as the translation of its source (forced decoding), batched
+        by length as ``translate`` batches."""
+        from attnmt.generation.generator import make_batches
+
+        srcs, refs = _lines(sources, "sources"), _lines(references, "references")
+        if len(srcs) != len(refs):
+            raise UserError(f"score: {len(srcs)} sources but {len(refs)} references; give one reference per source")
+        b, g = self.bundle, self.generator
+        with self._lock:
+            self._check_open()
+            src_ids = [g._check_length(s, i, "sources") for i, s in enumerate(b.encode_sources(srcs))]
+            pieces = b.tgt_pipeline.encode_batch(refs) if refs else []
+            tgt_ids = [b.tgt_dict.encode_line(p) for p in pieces]
+            limit = b.model.max_positions()[1]
+            for i, t in enumerate(tgt_ids):
+                if len(t) > limit:
+                    raise UserError(f"references:{i + 1}: the reference has {len(t)} tokens but the model accepts "
+                                    f"at most {limit}; shorten or split it")
+            max_tokens = self.gen_cfg.max_tokens or g.backend.decoding_max_tokens()
+            lengths = [max(len(s), len(t)) for s, t in zip(src_ids, tgt_ids)]
+            out: list[ReferenceScore | None] = [None] * len(srcs)
+            for batch in make_batches(lengths, max_tokens, self.gen_cfg.batch_size):
+                for i, lp in zip(batch, self._forced([src_ids[i] for i in batch], [tgt_ids[i] for i in batch])):
+                    out[i] = ReferenceScore(logprob=float(sum(lp)), positional_scores=lp,
+                                            tokens=[b.tgt_dict[k] for k in tgt_ids[i]])
+        return out  # type: ignore[return-value]
+
+    def _forced(self, sources: list[list[int]], targets: list[list[int]]) -> list[list[float]]:
+        from attnmt.generation.generator import collate
+
+        b, g = self.bundle, self.generator
+        eos, pad = b.symbols.eos, b.symbols.pad
+        src, src_lengths = collate(sources, pad, g.device)
+        prev, _ = collate([[eos] + t[:-1] for t in targets], pad, g.device)
+        gold, _ = collate(targets, pad, g.device)
+        with torch.inference_mode(), g._autocast():
+            model = b.model
+            logits = model.decode(prev, model.encode(src, src_lengths))
+            lprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, gold.unsqueeze(-1)).squeeze(-1)
+        return [lprobs[k, : len(t)].tolist() for k, t in enumerate(targets)]
+
+    # ---------------------------------------------------------------------------------------------- lifetime
+
+    def close(self) -> None:
+        """Stop the decoding workers (if any); the translator refuses work afterwards."""
+        with self._lock:
+            self.closed = True
+            self.generator.close()
+
+    def __enter__(self) -> Translator:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"Translator({str(self.bundle.path)!r}, {self.source_lang}->{self.target_lang}, "
+                f"{self.bundle.arch or 'model'}, {self.device}, {self.precision}, {self.search_cfg.describe()})")
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise UserError("this Translator was closed; load the model again")
+
+    @staticmethod
+    def _check_names(given: dict[str, Any], valid: set[str], what: str) -> None:
+        unknown = sorted(k for k in given if k not in valid)
+        if unknown:
+            raise UserError(f"{what}: unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; valid: "
+                            f"{', '.join(sorted(valid))}")
+
+
+def _search_names() -> set[str]:
+    from attnmt.generation.options import search_option_names
+
+    return search_option_names()
+
+
+def _given(options: dict[str, Any]) -> dict[str, Any]:
+    """Options given in Python: the command line's spelling of a value (``None`` leaves the default)."""
+    return {k: v for k, v in options.items() if v is not None}
+
+
+def _lines(items: Any, what: str) -> list[str]:
+    """A list of sentences, each a ``str`` on one line; anything else is refused with where it is."""
+    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
+        raise UserError(f"{what}: expected a list of strings, got {type(items).__name__}")
+    out = []
+    for i, s in enumerate(items):
+        if not isinstance(s, str):
+            raise UserError(f"{what}[{i}]: expected a string, got {type(s).__name__}; decode bytes to str first")
+        if "\n" in s or "\r" in s:
+            raise UserError(f"{what}[{i}]: a sentence spans several lines; give one line per sentence")
+        out.append(s)
+    return out
+

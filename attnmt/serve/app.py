@@ -1,0 +1,334 @@
+"""The HTTP service: routes, request checks and answers, on Starlette (ASGI), served by uvicorn.
+
+Routes:
+
+* ``POST /translate``: LibreTranslate's request and answer (``q``: a string or a list; ``source``, ``target``,
+  ``format``, ``alternatives``; JSON or a form) -> ``{"translatedText": ...}``.
+* ``POST /v1/translate``: ``{"text": str | [str], "nbest": n, "scores": bool, "alignment": bool}`` ->
+  ``{"translations": [{"text", "score", "tokens", "positional_scores", "hypotheses", "alignment"}]}``.
+* ``GET /languages`` (LibreTranslate's), ``GET /health``, ``GET /metrics`` (Prometheus; ``?format=json``),
+  ``GET /`` (a page to try sentences, with the attention map).
+
+Every error is JSON ``{"error": "..."}`` with a 4xx status saying what to change (503 when overloaded or
+stopping, with ``Retry-After``); a request never ends the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from importlib import resources
+from typing import Any
+from urllib.parse import parse_qs
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from attnmt.api import Translation, Translator
+from attnmt.errors import UserError
+from attnmt.serve.batcher import Batcher, Job, Overloaded, Stopped
+from attnmt.serve.config import ServeConfig
+from attnmt.serve.metrics import Metrics
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = headers or {}
+
+
+LANGUAGE_NAMES = {"en": "English", "de": "German", "fr": "French", "cs": "Czech", "es": "Spanish", "it": "Italian",
+                  "nl": "Dutch", "pt": "Portuguese", "ro": "Romanian", "ru": "Russian", "zh": "Chinese",
+                  "ja": "Japanese", "ar": "Arabic", "tr": "Turkish", "pl": "Polish", "sv": "Swedish"}
+
+
+class Service:
+    """The translator, the decoding thread and the counters behind the routes."""
+
+    def __init__(self, translator: Translator, cfg: ServeConfig):
+        self.translator = translator
+        self.cfg = cfg
+        self.metrics = Metrics()
+        self.batcher: Batcher | None = None
+        self.stopping = False
+        model_limit = translator.max_source_tokens()
+        self.max_tokens = min(cfg.max_sentence_tokens or model_limit, model_limit)
+
+    # ------------------------------------------------------------------------------------------ lifetime
+
+    def start(self) -> None:
+        self.batcher = Batcher(self.cfg.max_batch, self.cfg.batch_wait_ms / 1000.0, self.cfg.max_queue,
+                               count_tokens=lambda r: len(r.tokens))
+
+    def stop(self) -> None:
+        """Finish the queued work (uvicorn has already waited for the requests in flight), then stop."""
+        self.stopping = True
+        if self.batcher is not None:
+            self.batcher.stop(timeout=self.cfg.graceful_timeout + 5)
+
+    # ------------------------------------------------------------------------------------------ requests
+
+    async def body(self, request: Request) -> dict[str, Any]:
+        """The request's fields: a JSON object, or a form (LibreTranslate accepts both)."""
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.cfg.max_request_bytes:
+            raise BadRequest(413, f"the request body has {declared} bytes; at most {self.cfg.max_request_bytes} "
+                                  f"are accepted: send fewer or shorter sentences")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.cfg.max_request_bytes:
+                raise BadRequest(413, f"the request body is over {self.cfg.max_request_bytes} bytes; send fewer "
+                                      f"or shorter sentences")
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise BadRequest(400, f"the request body is not valid UTF-8 (byte {e.start}); send UTF-8 text") from None
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind == "application/x-www-form-urlencoded" and text.lstrip().startswith("{"):
+            kind = "application/json"  # JSON sent without its content type (curl -d '{...}')
+        if kind == "application/x-www-form-urlencoded":
+            form = parse_qs(text, keep_blank_values=True)
+            return {k: (v if k == "q" and len(v) > 1 else v[-1]) for k, v in form.items()}
+        if kind not in ("application/json", ""):
+            raise BadRequest(415, f"content type {kind!r} is not accepted; send application/json (or a form)")
+        if not text.strip():
+            raise BadRequest(400, "the request body is empty; send a JSON object such as {\"q\": \"Hello\"}")
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise BadRequest(400, f"the request body is not valid JSON ({e.msg} at line {e.lineno} column "
+                                  f"{e.colno}); send a JSON object") from None
+        if not isinstance(data, dict):
+            raise BadRequest(400, f"the request body is a JSON {type(data).__name__}; send a JSON object such as "
+                                  f"{{\"q\": \"Hello\"}}")
+        return data
+
+    def sentences(self, value: Any, name: str) -> tuple[list[str], bool]:
+        """(sentences, whether one string was given) of field ``name``; each checked and stripped."""
+        if value is None:
+            raise BadRequest(400, f"'{name}' is missing; give the text to translate, a string or a list of strings")
+        single = isinstance(value, str)
+        items = [value] if single else value
+        if not isinstance(items, list):
+            raise BadRequest(400, f"'{name}' is a {type(value).__name__}; give a string or a list of strings")
+        if not items:
+            raise BadRequest(400, f"'{name}' is an empty list; give at least one sentence")
+        if len(items) > self.cfg.max_request_sentences:
+            raise BadRequest(413, f"'{name}' has {len(items)} sentences; at most {self.cfg.max_request_sentences} per "
+                                  f"request: split the request")
+        out = []
+        for i, s in enumerate(items):
+            where = name if single else f"{name}[{i}]"
+            if not isinstance(s, str):
+                raise BadRequest(400, f"'{where}' is a {type(s).__name__}; each sentence must be a string")
+            s = " ".join(s.split())  # one line: newlines and runs of spaces become single spaces
+            if not s:
+                raise BadRequest(400, f"'{where}' is empty; give text to translate")
+            out.append(s)
+        return out, single
+
+    @staticmethod
+    def integer(data: dict, name: str, default: int, low: int, high: int) -> int:
+        value = data.get(name, default)
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            value = int(value)  # a form's field
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise BadRequest(400, f"'{name}' must be an integer, got {type(value).__name__}")
+        if not low <= value <= high:
+            raise BadRequest(400, f"'{name}' is {value}; give {low} to {high}")
+        return value
+
+    @staticmethod
+    def flag(data: dict, name: str) -> bool:
+        value = data.get(name, False)
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+            return value.lower() in ("true", "1")
+        if not isinstance(value, bool):
+            raise BadRequest(400, f"'{name}' must be true or false, got {type(value).__name__}")
+        return value
+
+    async def translate(self, lines: list[str], nbest: int, alignment: bool) -> list[Translation]:
+        """The translations of ``lines``, through the batching queue."""
+        if self.stopping or self.batcher is None:
+            raise BadRequest(503, "the service is shutting down; retry on another instance",
+                             {"Retry-After": "5"})
+        t = self.translator
+        sources = t.encode_batch(lines)
+        for i, ids in enumerate(sources):
+            if len(ids) > self.max_tokens:
+                raise BadRequest(400, f"sentence {i + 1} has {len(ids)} tokens; at most {self.max_tokens} are "
+                                      f"accepted: split it into shorter sentences")
+        self.metrics.count_tokens(sum(len(s) for s in sources))
+        search = {"nbest": nbest} if nbest != t.search_cfg.nbest else {}
+        try:
+            t.generator_for(search)
+        except UserError as e:
+            raise BadRequest(400, str(e)) from None
+
+        def run(batch: list[list[int]]) -> list[Translation]:
+            return t.translate_encoded(batch, details=True, alignment=alignment, **search)
+
+        loop = asyncio.get_running_loop()
+        job = Job(sources=sources, key=(nbest, alignment), run=run, future=loop.create_future(), loop=loop)
+        try:
+            self.batcher.submit(job)
+        except Overloaded:
+            raise BadRequest(503, f"the service is busy: {self.batcher.queued} sentences are waiting; retry "
+                                  f"later", {"Retry-After": "1"}) from None
+        except Stopped:
+            raise BadRequest(503, "the service is shutting down; retry on another instance",
+                             {"Retry-After": "5"}) from None
+        try:
+            return await asyncio.wait_for(asyncio.shield(job.future), self.cfg.timeout)
+        except asyncio.TimeoutError:
+            job.cancelled = True
+            raise BadRequest(503, f"the translation did not finish within {self.cfg.timeout:g} s; the service is "
+                                  f"overloaded, retry later", {"Retry-After": "5"}) from None
+        except UserError as e:
+            raise BadRequest(400, str(e)) from None
+
+    def languages(self) -> list[dict]:
+        t = self.translator
+        return [{"code": t.source_lang, "name": LANGUAGE_NAMES.get(t.source_lang, t.source_lang),
+                 "targets": [t.target_lang]}]
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+def create_app(translator: Translator, cfg: ServeConfig | None = None) -> Starlette:
+    """The ASGI application serving ``translator`` (its decoding thread runs while the app's lifespan does)."""
+    svc = Service(translator, cfg or ServeConfig())
+
+    def answered(handler):
+        """Count the request, time it, and turn refusals into JSON errors."""
+        async def wrapped(request: Request) -> Response:
+            t0 = time.perf_counter()
+            sentences = 0
+            try:
+                response, sentences = await handler(request)
+            except BadRequest as e:
+                response = _error(e.status, e.message, e.headers)
+            except Exception as e:  # noqa: BLE001 - answer, count and keep serving
+                response = _error(500, f"internal error ({type(e).__name__}: {str(e)[:200]}); please report it")
+            svc.metrics.request(response.status_code, time.perf_counter() - t0 if response.status_code == 200
+                                else None, sentences)
+            return response
+        return wrapped
+
+    @answered
+    async def libretranslate(request: Request):
+        data = await svc.body(request)
+        t = svc.translator
+        lines, single = svc.sentences(data.get("q"), "q")
+        source = data.get("source", "auto") or "auto"
+        target = data.get("target", t.target_lang) or t.target_lang
+        if not isinstance(source, str) or source not in ("auto", t.source_lang):
+            raise BadRequest(400, f"source {source!r} is not served: this service translates {t.source_lang} to "
+                                  f"{t.target_lang} (source {t.source_lang!r} or 'auto')")
+        if not isinstance(target, str) or target != t.target_lang:
+            raise BadRequest(400, f"target {target!r} is not served: this service translates {t.source_lang} to "
+                                  f"{t.target_lang}")
+        fmt = data.get("format", "text") or "text"
+        if fmt != "text":
+            raise BadRequest(400, f"format {fmt!r} is not supported; send plain text with format 'text'")
+        beam = t.search_cfg.beam
+        alternatives = svc.integer(data, "alternatives", 0, 0, beam - 1)
+        results = await svc.translate(lines, alternatives + 1, False)
+        texts = [r.text for r in results]
+        body: dict[str, Any] = {"translatedText": texts[0] if single else texts}
+        if alternatives:
+            alts = [[h.text for h in r.hypotheses[1:]] for r in results]
+            body["alternatives"] = alts[0] if single else alts
+        if source == "auto":
+            detected = {"confidence": 100.0, "language": t.source_lang}  # the model's one source language
+            body["detectedLanguage"] = detected if single else [detected] * len(lines)
+        return JSONResponse(body), len(lines)
+
+    @answered
+    async def native(request: Request):
+        data = await svc.body(request)
+        t = svc.translator
+        lines, _ = svc.sentences(data.get("text"), "text")
+        nbest = svc.integer(data, "nbest", t.search_cfg.nbest, 1, t.search_cfg.beam)
+        scores, alignment = svc.flag(data, "scores"), svc.flag(data, "alignment")
+        results = await svc.translate(lines, nbest, alignment)
+        out = []
+        for r in results:
+            item: dict[str, Any] = {"text": r.text}
+            if scores:
+                item.update(score=r.score, tokens=r.tokens, positional_scores=r.positional_scores)
+            if nbest > 1:
+                item["hypotheses"] = [{"text": h.text, **({"score": h.score} if scores else {})}
+                                      for h in r.hypotheses]
+            if r.alignment is not None:
+                a = r.alignment
+                item["alignment"] = {"source_tokens": a.source_tokens, "target_tokens": a.target_tokens,
+                                     "weights": a.weights}
+            out.append(item)
+        return JSONResponse({"source_lang": t.source_lang, "target_lang": t.target_lang, "translations": out}), \
+            len(lines)
+
+    @answered
+    async def languages(request: Request):
+        return JSONResponse(svc.languages()), 0
+
+    async def health(request: Request) -> Response:
+        t = svc.translator
+        ok = not svc.stopping and svc.batcher is not None
+        body = {"status": "ok" if ok else "stopping", "model": t.bundle.path.name, "source_lang": t.source_lang,
+                "target_lang": t.target_lang, "device": str(t.device), "precision": t.precision,
+                "search": t.search_cfg.describe(), "beam": t.search_cfg.beam,
+                "queue_sentences": svc.batcher.queued if svc.batcher else 0,
+                "max_request_sentences": svc.cfg.max_request_sentences, "max_sentence_tokens": svc.max_tokens}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def metrics(request: Request) -> Response:
+        from attnmt.serve.batcher import BatchStats
+
+        snap = svc.metrics.snapshot(svc.batcher.queued if svc.batcher else 0,
+                                    svc.batcher.stats if svc.batcher else BatchStats())
+        if request.query_params.get("format") == "json":
+            return JSONResponse(snap)
+        return PlainTextResponse(Metrics.prometheus(snap), media_type="text/plain; version=0.0.4")
+
+    async def page(request: Request) -> Response:
+        return HTMLResponse(resources.files("attnmt.serve").joinpath("page.html").read_text(encoding="utf-8"))
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        reasons = {404: f"no such endpoint: {request.url.path}; see GET / or POST /translate",
+                   405: f"{request.method} is not allowed on {request.url.path}"}
+        response = _error(exc.status_code, reasons.get(exc.status_code, str(exc.detail)), getattr(exc, "headers", None))
+        svc.metrics.request(exc.status_code)
+        return response
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        svc.start()
+        try:
+            yield
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, svc.stop)
+
+    routes = [
+        Route("/", page, methods=["GET"]),
+        Route("/translate", libretranslate, methods=["POST"]),
+        Route("/v1/translate", native, methods=["POST"]),
+        Route("/languages", languages, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan)
+    app.state.service = svc
+    return app

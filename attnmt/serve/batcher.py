@@ -1,0 +1,154 @@
+"""Dynamic batching: sentences of concurrent requests searched together, on one decoding thread.
+
+Requests put their sentences on one queue; the decoding thread takes the oldest, waits at most ``batch_wait``
+seconds for more of the same kind (the same search options), then translates up to ``max_batch`` sentences in one
+call of the translator, which sorts them by length and cuts them into ``--max-tokens`` batches as ``attnmt
+translate`` does. A request's sentences are never split across two calls unless it alone has more than
+``max_batch``. The queue is bounded (:class:`Overloaded` when full: the service answers 503); a request whose
+caller stopped waiting (its timeout) is dropped before it is searched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Overloaded(Exception):
+    """The queue holds too many sentences; try again later."""
+
+
+class Stopped(Exception):
+    """The service is shutting down and takes no new work."""
+
+
+@dataclass
+class Job:
+    """One request's sentences, already encoded, and where its answer goes."""
+
+    sources: list[list[int]]
+    key: tuple  # jobs with equal keys may share a batch (the same search options)
+    run: Callable[[list[list[int]]], list[Any]]  # translates sentences of this key
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    arrived: float = field(default_factory=time.monotonic)
+    cancelled: bool = False
+
+    def settle(self, result: Any = None, error: BaseException | None = None) -> None:
+        def set_it():
+            if not self.future.done():
+                if error is not None:
+                    self.future.set_exception(error)
+                else:
+                    self.future.set_result(result)
+
+        try:
+            self.loop.call_soon_threadsafe(set_it)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+
+@dataclass
+class BatchStats:
+    batches: int = 0
+    sentences: int = 0
+    target_tokens: int = 0
+    busy_seconds: float = 0.0
+
+
+class Batcher:
+    """The decoding thread and its bounded queue (see the module docstring)."""
+
+    def __init__(self, max_batch: int, batch_wait: float, max_queue: int,
+                 count_tokens: Callable[[Any], int] = lambda r: 0):
+        self.max_batch = max_batch
+        self.batch_wait = batch_wait
+        self.max_queue = max_queue
+        self.count_tokens = count_tokens
+        self.stats = BatchStats()
+        self._queue: deque[Job] = deque()
+        self._queued = 0  # sentences waiting
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="attnmt-decoding", daemon=True)
+        self._thread.start()
+
+    @property
+    def queued(self) -> int:
+        """Sentences waiting to be searched."""
+        return self._queued
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            if self._stopping:
+                raise Stopped()
+            if self._queued and self._queued + len(job.sources) > self.max_queue:
+                raise Overloaded()
+            self._queue.append(job)
+            self._queued += len(job.sources)
+            self._cond.notify()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Finish what is queued, then end the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    def _take(self) -> list[Job] | None:
+        """The next batch's jobs (None: stopped and nothing left)."""
+        with self._cond:
+            while not self._queue:
+                if self._stopping:
+                    return None
+                self._cond.wait()
+            first = self._queue[0]
+            deadline = first.arrived + self.batch_wait
+            while not self._stopping:
+                same = sum(len(j.sources) for j in self._queue if j.key == first.key)
+                left = deadline - time.monotonic()
+                if same >= self.max_batch or left <= 0:
+                    break
+                self._cond.wait(left)
+            jobs, size, keep = [], 0, deque()
+            while self._queue:
+                j = self._queue.popleft()
+                if j.key == first.key and (not jobs or size + len(j.sources) <= self.max_batch):
+                    jobs.append(j)
+                    size += len(j.sources)
+                    self._queued -= len(j.sources)
+                else:
+                    keep.append(j)
+            self._queue = keep
+            return jobs
+
+    def _loop(self) -> None:
+        while True:
+            jobs = self._take()
+            if jobs is None:
+                return
+            jobs = [j for j in jobs if not j.cancelled]
+            if not jobs:
+                continue
+            sources = [s for j in jobs for s in j.sources]
+            t0 = time.perf_counter()
+            try:
+                results = jobs[0].run(sources)
+            except BaseException as e:  # noqa: BLE001 - a request must never end the decoding thread
+                for j in jobs:
+                    j.settle(error=e)
+                continue
+            finally:
+                self.stats.busy_seconds += time.perf_counter() - t0
+            self.stats.batches += 1
+            self.stats.sentences += len(sources)
+            self.stats.target_tokens += sum(self.count_tokens(r) for r in results)
+            at = 0
+            for j in jobs:
+                j.settle(results[at: at + len(j.sources)])
+                at += len(j.sources)

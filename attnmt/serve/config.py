@@ -1,0 +1,29 @@
+"""The service's options (``attnmt serve``), importable without the service's libraries."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ServeConfig:
+    """How the service listens, batches and limits requests."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "Address to listen on (0.0.0.0: every interface)."})
+    port: int = field(default=5000, metadata={"min": 0, "max": 65535,
+                                              "help": "Port to listen on (0: a free one, printed at start)."})
+    max_batch: int = field(default=64, metadata={
+        "min": 1, "help": "Most sentences of concurrent requests translated together (as translate's "
+                          "--buffer-size); --max-tokens still cuts them into search batches."})
+    batch_wait_ms: float = field(default=5.0, metadata={
+        "min": 0, "help": "How long the first waiting sentence waits for others to join its batch."})
+    max_queue: int = field(default=2048, metadata={
+        "min": 1, "help": "Most sentences waiting; a request beyond it gets 503 (retry later)."})
+    max_request_sentences: int = field(default=64, metadata={"min": 1, "help": "Most sentences in one request."})
+    max_sentence_tokens: int = field(default=0, metadata={
+        "min": 0, "help": "Longest sentence accepted, in source tokens (0: the model's limit)."})
+    max_request_bytes: int = field(default=1 << 20, metadata={"min": 64, "help": "Largest request body."})
+    timeout: float = field(default=60.0, metadata={
+        "min": 0.1, "help": "Seconds a request may wait for its translation before it gets 503."})
+    graceful_timeout: float = field(default=30.0, metadata={
+        "min": 0, "help": "On SIGTERM or Ctrl-C, seconds to finish the requests in flight (new ones are refused)."})
