@@ -136,6 +136,12 @@ class Translator:
                           **search: Any):
         """``translate`` for sentences already encoded (``encode``): what the service calls per batch."""
         generator = self.generator_for(search)
+        limit = self.max_source_tokens()
+        if not self.gen_cfg.truncate_source:
+            for i, ids in enumerate(sources):
+                if len(ids) > limit:
+                    raise UserError(f"sources[{i}]: the source has {len(ids)} tokens but the model accepts at most "
+                                    f"{limit}; shorten or split it, or load with truncate_source=True")
         with self._lock:
             self._check_open()
             first, self._next_id = self._next_id, self._next_id + len(sources)
@@ -224,24 +230,30 @@ class Translator:
         b, g = self.bundle, self.generator
         with self._lock:
             self._check_open()
-            src_ids = [g._check_length(s, i, "sources") for i, s in enumerate(b.encode_sources(srcs))]
+            src_ids = b.encode_sources(srcs)
+            for i, ids in enumerate(src_ids):
+                if len(ids) > self.max_source_tokens():
+                    raise UserError(f"sources[{i}]: the source has {len(ids)} tokens but the model accepts at most "
+                                    f"{self.max_source_tokens()}; shorten or split it")
             pieces = b.tgt_pipeline.encode_batch(refs) if refs else []
             tgt_ids = [b.tgt_dict.encode_line(p) for p in pieces]
             limit = b.model.max_positions()[1]
             for i, t in enumerate(tgt_ids):
                 if len(t) > limit:
-                    raise UserError(f"references:{i + 1}: the reference has {len(t)} tokens but the model accepts "
+                    raise UserError(f"references[{i}]: the reference has {len(t)} tokens but the model accepts "
                                     f"at most {limit}; shorten or split it")
             max_tokens = self.gen_cfg.max_tokens or g.backend.decoding_max_tokens()
             lengths = [max(len(s), len(t)) for s, t in zip(src_ids, tgt_ids)]
             out: list[ReferenceScore | None] = [None] * len(srcs)
             for batch in make_batches(lengths, max_tokens, self.gen_cfg.batch_size):
-                for i, lp in zip(batch, self._forced([src_ids[i] for i in batch], [tgt_ids[i] for i in batch])):
+                for i, lp in zip(batch, self.score_encoded([src_ids[i] for i in batch], [tgt_ids[i] for i in batch])):
                     out[i] = ReferenceScore(logprob=float(sum(lp)), positional_scores=lp,
                                             tokens=[b.tgt_dict[k] for k in tgt_ids[i]])
         return out  # type: ignore[return-value]
 
-    def _forced(self, sources: list[list[int]], targets: list[list[int]]) -> list[list[float]]:
+    def score_encoded(self, sources: list[list[int]], targets: list[list[int]]) -> list[list[float]]:
+        """Per-token log-probabilities of each target (ids, final </s> included) given its source (ids), in one
+        batch."""
         from attnmt.generation.generator import collate
 
         b, g = self.bundle, self.generator

@@ -115,14 +115,15 @@ class Batcher:
                 if same >= self.max_batch or left <= 0:
                     break
                 self._cond.wait(left)
-            jobs, size, keep = [], 0, deque()
-            while self._queue:
+            jobs, size, full, keep = [], 0, False, deque()
+            while self._queue:  # first come, first served: the first job that does not fit ends the batch
                 j = self._queue.popleft()
-                if j.key == first.key and (not jobs or size + len(j.sources) <= self.max_batch):
+                if j.key == first.key and not full and (not jobs or size + len(j.sources) <= self.max_batch):
                     jobs.append(j)
                     size += len(j.sources)
                     self._queued -= len(j.sources)
                 else:
+                    full = full or j.key == first.key
                     keep.append(j)
             self._queue = keep
             return jobs

@@ -1,0 +1,138 @@
+"""The service's dynamic batching: concurrent jobs share a call, the queue bound refuses work (503), a job whose
+caller gave up is not searched, a failing batch fails its jobs only, and stopping finishes what is queued."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from attnmt.serve.batcher import Batcher, Job, Overloaded, Stopped
+
+
+class Recorder:
+    """A ``run`` that records each call's sentences; ``gate`` holds the first call until it is set."""
+
+    def __init__(self, gate: threading.Event | None = None, fail_on: int | None = None):
+        self.calls: list[list[list[int]]] = []
+        self.gate = gate
+        self.fail_on = fail_on
+        self.started = threading.Event()
+
+    def __call__(self, sources):
+        self.started.set()
+        if self.gate is not None:
+            self.gate.wait(10)
+        self.calls.append(sources)
+        if self.fail_on is not None and [self.fail_on] in sources:
+            raise RuntimeError("boom")
+        return [[x * 10 for x in s] for s in sources]
+
+
+def run_jobs(batcher: Batcher, groups, run, key=("k",), before_wait=None):
+    async def main():
+        loop = asyncio.get_running_loop()
+        jobs = [Job(sources=g, key=key, run=run, future=loop.create_future(), loop=loop) for g in groups]
+        for j in jobs:
+            batcher.submit(j)
+        if before_wait:
+            before_wait(jobs)
+        return await asyncio.gather(*(j.future for j in jobs), return_exceptions=True)
+
+    return asyncio.run(main())
+
+
+def test_jobs_waiting_together_share_one_call_and_get_their_own_results():
+    b = Batcher(max_batch=64, batch_wait=0.2, max_queue=100)
+    rec = Recorder()
+    out = run_jobs(b, [[[1], [2]], [[3]], [[4], [5], [6]]], rec)
+    b.stop()
+    assert out == [[[10], [20]], [[30]], [[40], [50], [60]]]
+    assert rec.calls == [[[1], [2], [3], [4], [5], [6]]]
+    assert (b.stats.batches, b.stats.sentences) == (1, 6)
+
+
+def test_a_batch_holds_at_most_max_batch_sentences_and_never_splits_a_job():
+    b = Batcher(max_batch=3, batch_wait=0.2, max_queue=100)
+    rec = Recorder()
+    out = run_jobs(b, [[[1], [2]], [[3], [4]], [[5]], [[6], [7], [8], [9]]], rec)
+    b.stop()
+    assert out[3] == [[60], [70], [80], [90]]
+    assert rec.calls == [[[1], [2]], [[3], [4], [5]], [[6], [7], [8], [9]]]
+
+
+def test_jobs_of_other_search_options_go_to_other_calls():
+    b = Batcher(max_batch=64, batch_wait=0.2, max_queue=100)
+    rec = Recorder()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        jobs = [Job(sources=[[k]], key=(k % 2,), run=rec, future=loop.create_future(), loop=loop) for k in range(4)]
+        for j in jobs:
+            b.submit(j)
+        return await asyncio.gather(*(j.future for j in jobs))
+
+    assert asyncio.run(main()) == [[[0]], [[10]], [[20]], [[30]]]
+    b.stop()
+    assert sorted(rec.calls) == [[[0], [2]], [[1], [3]]]
+
+
+def test_a_full_queue_refuses_work_and_a_given_up_job_is_not_searched():
+    gate = threading.Event()
+    rec = Recorder(gate)
+    b = Batcher(max_batch=2, batch_wait=0.0, max_queue=3)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+
+        def job(s):
+            return Job(sources=s, key=("k",), run=rec, future=loop.create_future(), loop=loop)
+
+        first = job([[1], [2]])
+        b.submit(first)  # taken by the decoding thread, which waits on the gate
+        await loop.run_in_executor(None, rec.started.wait, 10)
+        waiting = job([[3], [4]])
+        b.submit(waiting)
+        with pytest.raises(Overloaded):
+            b.submit(job([[5], [6]]))  # 2 queued + 2 > 3
+        waiting.cancelled = True  # its caller timed out
+        gate.set()
+        return await first.future
+
+    assert asyncio.run(main()) == [[10], [20]]
+    b.stop()
+    assert rec.calls == [[[1], [2]]]
+    assert b.queued == 0
+
+
+def test_a_failing_batch_fails_its_jobs_and_the_thread_goes_on():
+    b = Batcher(max_batch=64, batch_wait=0.0, max_queue=100)
+    rec = Recorder(fail_on=7)
+    out = run_jobs(b, [[[7]]], rec)
+    assert isinstance(out[0], RuntimeError)
+    assert run_jobs(b, [[[8]]], rec) == [[[80]]]
+    b.stop()
+
+
+def test_stop_finishes_the_queued_work_then_refuses_more():
+    gate = threading.Event()
+    rec = Recorder(gate)
+    b = Batcher(max_batch=1, batch_wait=0.0, max_queue=100)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        jobs = [Job(sources=[[k]], key=("k",), run=rec, future=loop.create_future(), loop=loop) for k in range(3)]
+        for j in jobs:
+            b.submit(j)
+        stopper = threading.Thread(target=b.stop)
+        stopper.start()
+        await asyncio.sleep(0.05)
+        with pytest.raises(Stopped):
+            b.submit(Job(sources=[[9]], key=("k",), run=rec, future=loop.create_future(), loop=loop))
+        gate.set()
+        got = await asyncio.gather(*(j.future for j in jobs))
+        stopper.join()
+        return got
+
+    assert asyncio.run(main()) == [[[0]], [[10]], [[20]]]
