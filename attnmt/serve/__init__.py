@@ -11,7 +11,6 @@ import signal
 import socket
 import threading
 from collections.abc import Callable
-from contextlib import contextmanager
 
 from attnmt.errors import UserError
 
@@ -44,57 +43,52 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def serve(translator, cfg, announce: Callable[[str], None] = print) -> dict:
-    """Serve ``translator`` with ``cfg`` (``ServeConfig``) until SIGTERM/SIGINT; what the service counted."""
+    """Serve ``translator`` with ``cfg`` (``ServeConfig``) until SIGTERM/SIGINT; what the service counted.
+
+    The HTTP server runs on a thread of its own and the decoding loop on the calling (main) thread, which also
+    takes the signals: the first SIGTERM or Ctrl-C stops accepting connections, lets the requests in flight finish
+    (at most ``graceful_timeout`` seconds), then the queued work, and returns; a second Ctrl-C stops at once.
+    """
     import uvicorn
 
-    from attnmt.serve.app import create_app
+    from attnmt.serve.app import create_app, make_batcher
 
-    app = create_app(translator, cfg)
+    batcher = make_batcher(cfg, thread=False)
+    app = create_app(translator, cfg, batcher)
     sock = listen(cfg.host, cfg.port)
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
                             timeout_graceful_shutdown=cfg.graceful_timeout or None)
-    server = _make_server(config)
-    shown = f"[{host}]" if ":" in host else host
-    announce(f"serving {translator.source_lang}->{translator.target_lang} on http://{shown}:{port} "
-             f"(POST /translate, /v1/translate; GET / /health /metrics); SIGTERM or Ctrl-C stops")
-    server.run(sockets=[sock])
-    if server.failed:
-        raise UserError("the service could not start (see the lines above)")
+    server = uvicorn.Server(config)
+    state: dict = {"signal": None}
+
+    def on_signal(signum, frame):
+        state["signal"] = signal.Signals(signum).name
+        if server.should_exit and signum == signal.SIGINT:  # Ctrl-C twice: stop now
+            server.force_exit = True
+        server.should_exit = True
+
+    def run_server():
+        try:
+            server.run(sockets=[sock])
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            state["error"] = e
+        finally:
+            batcher.stop()  # the lifespan's end has stopped it already, unless the server never started
+
+    before = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    thread = threading.Thread(target=run_server, name="attnmt-http", daemon=True)
+    try:
+        thread.start()
+        shown = f"[{host}]" if ":" in host else host
+        announce(f"serving {translator.source_lang}->{translator.target_lang} on http://{shown}:{port} "
+                 f"(POST /translate, /v1/translate; GET / /health /metrics); SIGTERM or Ctrl-C stops")
+        batcher.run()
+        thread.join()
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+    if "error" in state or not server.started:
+        raise UserError(f"the service stopped: {state.get('error') or 'it could not start (see above)'}")
     svc = app.state.service
-    return {"signal": server.signal_name, **svc.metrics.snapshot(0, svc.batcher.stats)}
-
-
-def _make_server(config):
-    """uvicorn's server with the service's signal policy: the first SIGTERM/SIGINT stops accepting and finishes
-    what is in flight, a second Ctrl-C stops at once; the process then ends normally (exit 0), not by the signal."""
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        signal_name: str | None = None
-        failed = False
-
-        @contextmanager
-        def capture_signals(self):
-            if threading.current_thread() is not threading.main_thread():
-                yield
-                return
-            signals = (signal.SIGINT, signal.SIGTERM)
-            before = {s: signal.signal(s, self._stop) for s in signals}
-            try:
-                yield
-            finally:
-                for s, h in before.items():
-                    signal.signal(s, h)
-
-        def _stop(self, signum, frame):
-            self.signal_name = signal.Signals(signum).name
-            if self.should_exit and signum == signal.SIGINT:  # Ctrl-C twice: stop now
-                self.force_exit = True
-            self.should_exit = True
-
-        async def startup(self, sockets=None):
-            await super().startup(sockets=sockets)
-            self.failed = self.should_exit and not self.started
-
-    return Server(config)
+    return {"signal": state["signal"], **svc.metrics.snapshot(0, batcher.stats)}

@@ -52,11 +52,11 @@ LANGUAGE_NAMES = {"en": "English", "de": "German", "fr": "French", "cs": "Czech"
 class Service:
     """The translator, the decoding thread and the counters behind the routes."""
 
-    def __init__(self, translator: Translator, cfg: ServeConfig):
+    def __init__(self, translator: Translator, cfg: ServeConfig, batcher: Batcher | None = None):
         self.translator = translator
         self.cfg = cfg
         self.metrics = Metrics()
-        self.batcher: Batcher | None = None
+        self.batcher = batcher
         self.stopping = False
         model_limit = translator.max_source_tokens()
         self.max_tokens = min(cfg.max_sentence_tokens or model_limit, model_limit)
@@ -64,8 +64,8 @@ class Service:
     # ------------------------------------------------------------------------------------------ lifetime
 
     def start(self) -> None:
-        self.batcher = Batcher(self.cfg.max_batch, self.cfg.batch_wait_ms / 1000.0, self.cfg.max_queue,
-                               count_tokens=lambda r: len(r.tokens))
+        if self.batcher is None:
+            self.batcher = make_batcher(self.cfg)
 
     def stop(self) -> None:
         """Finish the queued work (uvicorn has already waited for the requests in flight), then stop."""
@@ -203,13 +203,19 @@ class Service:
                  "targets": [t.target_lang]}]
 
 
+def make_batcher(cfg: ServeConfig, thread: bool = True) -> Batcher:
+    return Batcher(cfg.max_batch, cfg.batch_wait_ms / 1000.0, cfg.max_queue, count_tokens=lambda r: len(r.tokens),
+                   thread=thread)
+
+
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 
-def create_app(translator: Translator, cfg: ServeConfig | None = None) -> Starlette:
-    """The ASGI application serving ``translator`` (its decoding thread runs while the app's lifespan does)."""
-    svc = Service(translator, cfg or ServeConfig())
+def create_app(translator: Translator, cfg: ServeConfig | None = None, batcher: Batcher | None = None) -> Starlette:
+    """The ASGI application serving ``translator``; without ``batcher``, its decoding thread starts and stops with
+    the app's lifespan (with one, whoever runs the batcher's loop; the lifespan's end stops it)."""
+    svc = Service(translator, cfg or ServeConfig(), batcher)
 
     def answered(handler):
         """Count the request, time it, and turn refusals into JSON errors."""

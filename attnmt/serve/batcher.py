@@ -65,7 +65,9 @@ class Batcher:
     """The decoding thread and its bounded queue (see the module docstring)."""
 
     def __init__(self, max_batch: int, batch_wait: float, max_queue: int,
-                 count_tokens: Callable[[Any], int] = lambda r: 0):
+                 count_tokens: Callable[[Any], int] = lambda r: 0, thread: bool = True):
+        """``thread``: decode on a thread of its own; False: the caller runs :meth:`run` (the service decodes on
+        the main thread: a thread's own OpenMP team makes torch's small products several times slower)."""
         self.max_batch = max_batch
         self.batch_wait = batch_wait
         self.max_queue = max_queue
@@ -75,8 +77,9 @@ class Batcher:
         self._queued = 0  # sentences waiting
         self._cond = threading.Condition()
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="attnmt-decoding", daemon=True)
-        self._thread.start()
+        self._thread = threading.Thread(target=self.run, name="attnmt-decoding", daemon=True) if thread else None
+        if self._thread is not None:
+            self._thread.start()
 
     @property
     def queued(self) -> int:
@@ -94,11 +97,12 @@ class Batcher:
             self._cond.notify()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Finish what is queued, then end the thread."""
+        """Finish what is queued, then end the decoding loop (and wait for its thread, if it has one)."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        self._thread.join(timeout)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
     def _take(self) -> list[Job] | None:
         """The next batch's jobs (None: stopped and nothing left)."""
@@ -128,7 +132,8 @@ class Batcher:
             self._queue = keep
             return jobs
 
-    def _loop(self) -> None:
+    def run(self) -> None:
+        """The decoding loop: batches until :meth:`stop` and the queue is empty."""
         while True:
             jobs = self._take()
             if jobs is None:
@@ -140,7 +145,7 @@ class Batcher:
             t0 = time.perf_counter()
             try:
                 results = jobs[0].run(sources)
-            except BaseException as e:  # noqa: BLE001 - a request must never end the decoding thread
+            except Exception as e:  # noqa: BLE001 - a request must never end the decoding loop
                 for j in jobs:
                     j.settle(error=e)
                 continue

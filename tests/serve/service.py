@@ -16,6 +16,7 @@ from pathlib import Path
 
 class Service:
     def __init__(self, ckpt: Path, *options: str):
+        self.ckpt = ckpt
         self.proc = subprocess.Popen([sys.executable, "-m", "attnmt.cli", "serve", "--path", str(ckpt), "--port", "0",
                                       "--threads", "1", *options], stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []

@@ -1,0 +1,205 @@
+"""Load on ``attnmt serve``: N concurrent clients sending one sentence per request, against ``attnmt translate``.
+
+    python benchmarks/serve_load.py --path CKPT --input ../shared/data/multi30k/test_2016_flickr.en.gz \
+        --clients 1,8,32 --seconds 20 --malformed 1000 [-- OPTIONS FOR BOTH, e.g. --lenpen 1.0]
+
+Starts the service on a free local port (``attnmt serve --port 0``), then per concurrency level runs the clients
+for ``--seconds`` (after a short warm-up): each sends the input's sentences in turn to LibreTranslate's
+``/translate`` over a kept-alive connection and waits for the answer. Prints sentences/s, latency percentiles and
+failed requests per level, next to ``attnmt translate``'s rate on the same sentences and options (the marginal
+rate: the whole file minus a one-line run, so that loading the model is not counted). ``--malformed N`` sends N
+malformed requests of many kinds from extra clients during the last level and counts their 4xx answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import http.client
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+MALFORMED = [  # (method, path, content type, body)
+    ("POST", "/translate", "application/json", b"{q: 1"),
+    ("POST", "/translate", "application/json", b'{"q": "\xff\xfe"}'),
+    ("POST", "/translate", "application/json", b""),
+    ("POST", "/translate", "application/json", b'["a"]'),
+    ("POST", "/translate", "application/json", b'{"source": "en"}'),
+    ("POST", "/translate", "application/json", b'{"q": ""}'),
+    ("POST", "/translate", "application/json", b'{"q": 5}'),
+    ("POST", "/translate", "application/json", b'{"q": []}'),
+    ("POST", "/translate", "application/json", json.dumps({"q": ["a"] * 500}).encode()),
+    ("POST", "/translate", "application/json", json.dumps({"q": "word " * 2000}).encode()),
+    ("POST", "/translate", "application/json", b'{"q": "a", "target": "xx"}'),
+    ("POST", "/translate", "application/json", b'{"q": "a", "format": "html"}'),
+    ("POST", "/translate", "application/json", b'{"q": "a", "alternatives": 99}'),
+    ("POST", "/translate", "application/xml", b"<q>a</q>"),
+    ("GET", "/translate", "", b""),
+    ("POST", "/nope", "application/json", b"{}"),
+    ("POST", "/v1/translate", "application/json", b'{"text": "a", "nbest": 0}'),
+]
+
+
+def start_service(path: str, options: list[str]) -> tuple[subprocess.Popen, str, int]:
+    proc = subprocess.Popen([sys.executable, "-m", "attnmt.cli", "serve", "--path", path, "--port", "0",
+                             "--max-queue", "100000", *options], stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:
+        m = re.search(r"on http://([^:]+):(\d+) ", line)
+        if m:
+            threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
+            return proc, m.group(1), int(m.group(2))
+    raise SystemExit(f"attnmt serve did not start (exit {proc.wait()})")
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    v = sorted(values)
+    return v[max(0, min(len(v) - 1, int(round(q * len(v) + 0.5)) - 1))]
+
+
+class Client(threading.Thread):
+    def __init__(self, host: str, port: int, sentences: list[str], start: int, stop_at: float, count_from: float):
+        super().__init__(daemon=True)
+        self.conn = http.client.HTTPConnection(host, port, timeout=120)
+        self.sentences, self.at, self.stop_at, self.count_from = sentences, start, stop_at, count_from
+        self.done, self.failed, self.latencies = 0, 0, []
+
+    def run(self):
+        while time.perf_counter() < self.stop_at:
+            q = self.sentences[self.at % len(self.sentences)]
+            self.at += 1
+            t0 = time.perf_counter()
+            try:
+                self.conn.request("POST", "/translate", json.dumps({"q": q, "source": "auto"}),
+                                  {"Content-Type": "application/json"})
+                r = self.conn.getresponse()
+                body = r.read()
+                ok = r.status == 200 and "translatedText" in json.loads(body)
+            except (OSError, http.client.HTTPException, ValueError):
+                ok = False
+                self.conn.close()
+            t1 = time.perf_counter()
+            if t0 >= self.count_from and t1 <= self.stop_at:
+                if ok:
+                    self.done += 1
+                    self.latencies.append(t1 - t0)
+                else:
+                    self.failed += 1
+
+
+class Malformed(threading.Thread):
+    def __init__(self, host: str, port: int, count: int, offset: int):
+        super().__init__(daemon=True)
+        self.host, self.port, self.count, self.offset = host, port, count, offset
+        self.status: dict[int, int] = {}
+
+    def run(self):
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=120)
+        for k in range(self.count):
+            method, path, kind, body = MALFORMED[(self.offset + k) % len(MALFORMED)]
+            try:
+                conn.request(method, path, body if method == "POST" else None,
+                             {"Content-Type": kind} if kind else {})
+                r = conn.getresponse()
+                r.read()
+                self.status[r.status] = self.status.get(r.status, 0) + 1
+            except (OSError, http.client.HTTPException):
+                self.status[0] = self.status.get(0, 0) + 1
+                conn.close()
+                conn = http.client.HTTPConnection(self.host, self.port, timeout=120)
+
+
+def translate_rate(path: str, sentences: list[str], options: list[str]) -> tuple[float, float]:
+    """``attnmt translate``'s marginal sentences/s over the whole input, and its search-only rate."""
+    def run(lines: list[str]) -> tuple[float, str]:
+        t0 = time.perf_counter()
+        r = subprocess.run([sys.executable, "-m", "attnmt.cli", "translate", "--path", path, *options],
+                           input="\n".join(lines) + "\n", capture_output=True, text=True, check=True)
+        return time.perf_counter() - t0, r.stderr
+
+    one, _ = run(sentences[:1])
+    whole, log = run(sentences)
+    m = re.search(r"([\d.]+) sentences/s", log)
+    return (len(sentences) - 1) / (whole - one), float(m.group(1)) if m else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--path", required=True)
+    ap.add_argument("--input", required=True, help="source sentences, one per line (.gz too)")
+    ap.add_argument("--clients", default="1,8,32")
+    ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument("--warmup", type=float, default=3.0)
+    ap.add_argument("--malformed", type=int, default=0)
+    ap.add_argument("--serve-args", default="", help="options for attnmt serve only, e.g. '--batch-wait-ms 20'")
+    ap.add_argument("--json", help="write the results here as well")
+    args, options = ap.parse_known_args()
+    options = [o for o in options if o != "--"]
+    opener = gzip.open if args.input.endswith(".gz") else open
+    with opener(args.input, "rt", encoding="utf-8") as f:
+        sentences = [s.strip() for s in f if s.strip()]
+
+    base, search_only = translate_rate(args.path, sentences, options)
+    print(f"attnmt translate: {base:.1f} sentences/s ({len(sentences)} sentences, loading excluded; "
+          f"{search_only:.1f} in its own search-time count)", flush=True)
+    proc, host, port = start_service(args.path, options + args.serve_args.split())
+    rows = []
+    try:
+        levels = [int(c) for c in args.clients.split(",")]
+        for n in levels:
+            t0 = time.perf_counter()
+            count_from, stop_at = t0 + args.warmup, t0 + args.warmup + args.seconds
+            clients = [Client(host, port, sentences, k * len(sentences) // n, stop_at, count_from) for k in range(n)]
+            bad = []
+            if args.malformed and n == levels[-1]:
+                bad = [Malformed(host, port, args.malformed // 4 + (k < args.malformed % 4), k * 5) for k in range(4)]
+            for c in clients + bad:
+                c.start()
+            for c in clients + bad:
+                c.join()
+            lat = [x for c in clients for x in c.latencies]
+            done = sum(c.done for c in clients)
+            row = {"clients": n, "sentences_per_s": done / args.seconds, "vs_translate": done / args.seconds / base,
+                   "p50_ms": 1000 * percentile(lat, 0.5), "p95_ms": 1000 * percentile(lat, 0.95),
+                   "p99_ms": 1000 * percentile(lat, 0.99), "failed": sum(c.failed for c in clients)}
+            if bad:
+                status: dict[int, int] = {}
+                for b in bad:
+                    for k, v in b.status.items():
+                        status[k] = status.get(k, 0) + v
+                row["malformed"] = args.malformed
+                row["malformed_4xx"] = sum(v for k, v in status.items() if 400 <= k < 500)
+                row["malformed_status"] = dict(sorted(status.items()))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        conn = http.client.HTTPConnection(host, port, timeout=30)
+        conn.request("GET", "/health")
+        alive = conn.getresponse().status == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+    print(f"\nservice alive at the end: {alive}; exit code after SIGTERM: {code}\n")
+    print("| clients | sentences/s | vs `attnmt translate` | p50 ms | p95 ms | p99 ms | failed |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| `attnmt translate` | {base:.1f} | 1.00 | | | | |")
+    for r in rows:
+        print(f"| {r['clients']} | {r['sentences_per_s']:.1f} | {r['vs_translate']:.2f} | {r['p50_ms']:.0f} | "
+              f"{r['p95_ms']:.0f} | {r['p99_ms']:.0f} | {r['failed']} |")
+    for r in rows:
+        if "malformed" in r:
+            print(f"\nmalformed requests during the {r['clients']}-client run: {r['malformed_4xx']}/{r['malformed']} "
+                  f"answered 4xx (by status: {r['malformed_status']})")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"translate": base, "rows": rows, "alive": alive, "exit": code},
+                                              indent=1))
+
+
+if __name__ == "__main__":
+    main()
