@@ -153,7 +153,13 @@ def main() -> None:
     rows = []
     try:
         levels = [int(c) for c in args.clients.split(",")]
+        def stats() -> dict:
+            conn = http.client.HTTPConnection(host, port, timeout=30)
+            conn.request("GET", "/metrics?format=json")
+            return json.loads(conn.getresponse().read())
+
         for n in levels:
+            before = stats()
             t0 = time.perf_counter()
             count_from, stop_at = t0 + args.warmup, t0 + args.warmup + args.seconds
             clients = [Client(host, port, sentences, k * len(sentences) // n, stop_at, count_from) for k in range(n)]
@@ -164,11 +170,16 @@ def main() -> None:
                 c.start()
             for c in clients + bad:
                 c.join()
+            after = stats()
+            wall = time.perf_counter() - t0
+            batches = max(1, after["batches"] - before["batches"])
+            busy = after["decoding_busy_seconds"] - before["decoding_busy_seconds"]
             lat = [x for c in clients for x in c.latencies]
             done = sum(c.done for c in clients)
             row = {"clients": n, "sentences_per_s": done / args.seconds, "vs_translate": done / args.seconds / base,
                    "p50_ms": 1000 * percentile(lat, 0.5), "p95_ms": 1000 * percentile(lat, 0.95),
-                   "p99_ms": 1000 * percentile(lat, 0.99), "failed": sum(c.failed for c in clients)}
+                   "p99_ms": 1000 * percentile(lat, 0.99), "failed": sum(c.failed for c in clients),
+                   "mean_batch": (after["sentences"] - before["sentences"]) / batches, "decoder_busy": busy / wall}
             if bad:
                 status: dict[int, int] = {}
                 for b in bad:
@@ -186,12 +197,14 @@ def main() -> None:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(60)
     print(f"\nservice alive at the end: {alive}; exit code after SIGTERM: {code}\n")
-    print("| clients | sentences/s | vs `attnmt translate` | p50 ms | p95 ms | p99 ms | failed |")
-    print("|---|---|---|---|---|---|---|")
-    print(f"| `attnmt translate` | {base:.1f} | 1.00 | | | | |")
+    print("| clients | sentences/s | vs `attnmt translate` | p50 ms | p95 ms | p99 ms | failed | sentences per "
+          "decoding call | decoder busy |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"| `attnmt translate` | {base:.1f} | 1.00 | | | | | | |")
     for r in rows:
         print(f"| {r['clients']} | {r['sentences_per_s']:.1f} | {r['vs_translate']:.2f} | {r['p50_ms']:.0f} | "
-              f"{r['p95_ms']:.0f} | {r['p99_ms']:.0f} | {r['failed']} |")
+              f"{r['p95_ms']:.0f} | {r['p99_ms']:.0f} | {r['failed']} | {r['mean_batch']:.1f} | "
+              f"{100 * r['decoder_busy']:.0f}% |")
     for r in rows:
         if "malformed" in r:
             print(f"\nmalformed requests during the {r['clients']}-client run: {r['malformed_4xx']}/{r['malformed']} "

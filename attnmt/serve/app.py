@@ -205,7 +205,7 @@ class Service:
 
 def make_batcher(cfg: ServeConfig, thread: bool = True) -> Batcher:
     return Batcher(cfg.max_batch, cfg.batch_wait_ms / 1000.0, cfg.max_queue, count_tokens=lambda r: len(r.tokens),
-                   thread=thread)
+                   thread=thread, return_wait=cfg.return_wait_ms / 1000.0)
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:

@@ -1,10 +1,13 @@
 """Dynamic batching: sentences of concurrent requests searched together, on one decoding thread.
 
-Requests put their sentences on one queue; the decoding thread takes the oldest, waits at most ``batch_wait``
+Requests put their sentences on one queue; the decoding loop takes the oldest, waits at most ``batch_wait``
 seconds for more of the same kind (the same search options), then translates up to ``max_batch`` sentences in one
 call of the translator, which sorts them by length and cuts them into ``--max-tokens`` batches as ``attnmt
 translate`` does. A request's sentences are never split across two calls unless it alone has more than
-``max_batch``. The queue is bounded (:class:`Overloaded` when full: the service answers 503); a request whose
+``max_batch``. Clients that just got their answers usually send their next sentences at once: after each call the
+loop waits up to ``return_wait`` seconds until as many sentences as it answered (plus those already waiting) are
+there, so that concurrent clients keep sharing full batches instead of settling into two alternating halves; the
+wait ends early once they are there, so a lone client waits for nothing. The queue is bounded (:class:`Overloaded` when full: the service answers 503); a request whose
 caller stopped waiting (its timeout) is dropped before it is searched.
 """
 
@@ -65,13 +68,15 @@ class Batcher:
     """The decoding thread and its bounded queue (see the module docstring)."""
 
     def __init__(self, max_batch: int, batch_wait: float, max_queue: int,
-                 count_tokens: Callable[[Any], int] = lambda r: 0, thread: bool = True):
+                 count_tokens: Callable[[Any], int] = lambda r: 0, thread: bool = True, return_wait: float = 0.0):
         """``thread``: decode on a thread of its own; False: the caller runs :meth:`run` (the service decodes on
         the main thread: a thread's own OpenMP team makes torch's small products several times slower)."""
         self.max_batch = max_batch
         self.batch_wait = batch_wait
         self.max_queue = max_queue
         self.count_tokens = count_tokens
+        self.return_wait = return_wait
+        self._expect, self._expect_until = 0, 0.0  # sentences expected back after the last call, and until when
         self.stats = BatchStats()
         self._queue: deque[Job] = deque()
         self._queued = 0  # sentences waiting
@@ -115,10 +120,11 @@ class Batcher:
             deadline = first.arrived + self.batch_wait
             while not self._stopping:
                 same = sum(len(j.sources) for j in self._queue if j.key == first.key)
-                left = deadline - time.monotonic()
-                if same >= self.max_batch or left <= 0:
+                now = time.monotonic()
+                until = max(deadline, self._expect_until) if same < self._expect else deadline
+                if same >= self.max_batch or until <= now:
                     break
-                self._cond.wait(left)
+                self._cond.wait(until - now)
             jobs, size, full, keep = [], 0, False, deque()
             while self._queue:  # first come, first served: the first job that does not fit ends the batch
                 j = self._queue.popleft()
@@ -154,6 +160,9 @@ class Batcher:
             self.stats.batches += 1
             self.stats.sentences += len(sources)
             self.stats.target_tokens += sum(self.count_tokens(r) for r in results)
+            with self._cond:  # the clients answered now are expected back with their next sentences
+                self._expect = min(self.max_batch, self._queued + len(sources))
+                self._expect_until = time.monotonic() + self.return_wait
             at = 0
             for j in jobs:
                 j.settle(results[at: at + len(j.sources)])

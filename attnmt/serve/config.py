@@ -17,6 +17,9 @@ class ServeConfig:
                           "--buffer-size); --max-tokens still cuts them into search batches."})
     batch_wait_ms: float = field(default=5.0, metadata={
         "min": 0, "help": "How long the first waiting sentence waits for others to join its batch."})
+    return_wait_ms: float = field(default=50.0, metadata={
+        "min": 0, "help": "After a batch, how long to wait for its clients' next sentences (until as many as it "
+                          "answered are back) before starting a smaller batch; 0: never wait."})
     max_queue: int = field(default=2048, metadata={
         "min": 1, "help": "Most sentences waiting; a request beyond it gets 503 (retry later)."})
     max_request_sentences: int = field(default=64, metadata={"min": 1, "help": "Most sentences in one request."})

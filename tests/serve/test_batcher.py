@@ -136,3 +136,36 @@ def test_stop_finishes_the_queued_work_then_refuses_more():
         return got
 
     assert asyncio.run(main()) == [[[0]], [[10]], [[20]]]
+
+
+def test_after_a_call_the_loop_waits_for_its_clients_next_sentences():
+    """Three clients answered together come back one by one; with a return wait they share the next call again
+    (without one, the first to come back would be searched alone)."""
+
+    def round_trips(return_wait: float) -> list[int]:
+        rec = Recorder()
+        b = Batcher(max_batch=8, batch_wait=0.0, max_queue=100, return_wait=return_wait)
+
+        async def main():
+            loop = asyncio.get_running_loop()
+
+            def job(k):
+                return Job(sources=[[k]], key=("k",), run=rec, future=loop.create_future(), loop=loop)
+
+            first = [job(k) for k in range(3)]
+            for j in first:
+                b.submit(j)
+            await asyncio.gather(*(j.future for j in first))
+            again = []
+            for k in range(3):  # the clients return 20 ms apart
+                again.append(job(10 + k))
+                b.submit(again[-1])
+                await asyncio.sleep(0.02)
+            await asyncio.gather(*(j.future for j in again))
+
+        asyncio.run(main())
+        b.stop()
+        return [len(c) for c in rec.calls]
+
+    assert round_trips(0.5)[-1] == 3
+    assert round_trips(0.0)[-3:] == [1, 1, 1]
