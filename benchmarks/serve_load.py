@@ -7,7 +7,8 @@ Starts the service on a free local port (``attnmt serve --port 0``), then per co
 for ``--seconds`` (after a short warm-up): each sends the input's sentences in turn to LibreTranslate's
 ``/translate`` over a kept-alive connection and waits for the answer. Prints sentences/s, latency percentiles and
 failed requests per level, next to ``attnmt translate``'s rate on the same sentences and options (the marginal
-rate: the whole file minus a one-line run, so that loading the model is not counted). ``--malformed N`` sends N
+rate: the whole file minus a one-line run, so that loading the model is not counted; measured before and after
+the service, as the machine's speed drifts). ``--malformed N`` sends N
 malformed requests of many kinds from extra clients during the last level and counts their 4xx answers.
 """
 
@@ -146,8 +147,10 @@ def main() -> None:
     with opener(args.input, "rt", encoding="utf-8") as f:
         sentences = [s.strip() for s in f if s.strip()]
 
-    base, search_only = translate_rate(args.path, sentences, options)
-    print(f"attnmt translate: {base:.1f} sentences/s ({len(sentences)} sentences, loading excluded; "
+    # the machine's speed drifts between runs: translate is measured before and after the service, and its mean
+    # is the yardstick
+    before, search_only = translate_rate(args.path, sentences, options)
+    print(f"attnmt translate: {before:.1f} sentences/s ({len(sentences)} sentences, loading excluded; "
           f"{search_only:.1f} in its own search-time count)", flush=True)
     proc, host, port = start_service(args.path, options + args.serve_args.split())
     rows = []
@@ -176,7 +179,7 @@ def main() -> None:
             busy = after["decoding_busy_seconds"] - before["decoding_busy_seconds"]
             lat = [x for c in clients for x in c.latencies]
             done = sum(c.done for c in clients)
-            row = {"clients": n, "sentences_per_s": done / args.seconds, "vs_translate": done / args.seconds / base,
+            row = {"clients": n, "sentences_per_s": done / args.seconds,
                    "p50_ms": 1000 * percentile(lat, 0.5), "p95_ms": 1000 * percentile(lat, 0.95),
                    "p99_ms": 1000 * percentile(lat, 0.99), "failed": sum(c.failed for c in clients),
                    "mean_batch": (after["sentences"] - before["sentences"]) / batches, "decoder_busy": busy / wall}
@@ -196,11 +199,16 @@ def main() -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(60)
+    after, _ = translate_rate(args.path, sentences, options)
+    base = (before + after) / 2
+    for r in rows:
+        r["vs_translate"] = r["sentences_per_s"] / base
+    print(f"attnmt translate again: {after:.1f} sentences/s; the yardstick: their mean, {base:.1f}")
     print(f"\nservice alive at the end: {alive}; exit code after SIGTERM: {code}\n")
     print("| clients | sentences/s | vs `attnmt translate` | p50 ms | p95 ms | p99 ms | failed | sentences per "
           "decoding call | decoder busy |")
     print("|---|---|---|---|---|---|---|---|---|")
-    print(f"| `attnmt translate` | {base:.1f} | 1.00 | | | | | | |")
+    print(f"| `attnmt translate` (before {before:.1f}, after {after:.1f}) | {base:.1f} | 1.00 | | | | | | |")
     for r in rows:
         print(f"| {r['clients']} | {r['sentences_per_s']:.1f} | {r['vs_translate']:.2f} | {r['p50_ms']:.0f} | "
               f"{r['p95_ms']:.0f} | {r['p99_ms']:.0f} | {r['failed']} | {r['mean_batch']:.1f} | "
