@@ -15,7 +15,7 @@
              copy, scale, shift, round, two conversions) against ``torch.quantize_per_tensor``'s single pass, by
              shape (backends/onednn.py ``quantize_u8``).
 * blockmax:  the maxima of 64-token blocks of bf16 log-probabilities: ``amax`` against the integer scan on the
-             bit patterns (generation/search.py ``_block_maxima``).
+             bit patterns (backends/cpu.py ``bf16_block_maxima``).
 
 Numbers depend on the CPU (say which: ``lscpu``) and the torch version; docs/experiments.md keeps those measured.
 """
@@ -137,13 +137,13 @@ def cache(dtype: torch.dtype) -> None:
 
 
 def blockmax() -> None:
-    from attnmt.generation.search import _block_maxima
+    from attnmt.backends.cpu import bf16_block_maxima
 
     x = torch.log_softmax(torch.randn(1024, 9664), -1).to(torch.bfloat16)
     n = 9664 // 64
     ref = timed(lambda: x.unflatten(1, (n, -1)).amax(dim=2), repeat=30)
-    ours = timed(lambda: _block_maxima(x, n, True), repeat=30)
-    assert torch.equal(_block_maxima(x, n, True), x.unflatten(1, (n, -1)).amax(dim=2))
+    ours = timed(lambda: bf16_block_maxima(x, n, True), repeat=30)
+    assert torch.equal(bf16_block_maxima(x, n, True), x.unflatten(1, (n, -1)).amax(dim=2))
     print(f"block maxima bf16 (1024 x 9664, blocks of 64): amax {ref:.3f} ms, bit-pattern scan {ours:.3f} ms "
           f"({ref / ours:.2f}x)")
 

@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 ]
 # the upward imports: the registry imports the built-in components when first asked for a name
 # and the package's public names, re-exported from the API on first use
-ALLOWED = {("attnmt.registry", "attnmt.builtins"), ("attnmt", "attnmt.api")}
+ALLOWED = {("attnmt.registry", "attnmt.builtins"), ("attnmt", "attnmt.api"), ("attnmt", "attnmt.errors")}
 
 
 def _modules() -> dict[str, Path]:

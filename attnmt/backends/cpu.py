@@ -59,8 +59,8 @@ from attnmt.backends import capabilities
 from attnmt.backends.base import Backend, DecodingKernels, Mode, refuse_compile, swap_linears
 from attnmt.backends.onednn import quantize_u8_affine
 from attnmt.errors import UserError
-from attnmt.models.linear import (
-    Linear,
+from attnmt.models.linear import Linear
+from attnmt.models.tuning import (
     set_dropout_masks,
     set_fused_attention,
     set_plain_attention_max_len,
@@ -77,6 +77,21 @@ _configured: set[str] = set()
 
 
 LOSS_BLOCK_ELEMENTS = 1 << 18  # logits per loss block and thread: 1 MB in fp32, so a block's passes stay in the L2 cache
+
+
+def bf16_block_maxima(x: Tensor, n: int, nonpositive: bool) -> Tensor:
+    """Maxima of ``n`` equal blocks of each row of ``x`` (R, n * c) -> (R, n), for the search's block scan
+    (``DecodingKernels.block_maxima``).
+
+    PyTorch reduces bf16 through float conversions, slower than this (benchmarks/kernel_choices.py): for values
+    <= 0 (log-probabilities), the bf16 bit pattern read as an integer, sign bit cleared, orders them by magnitude,
+    so the block maximum is the block's smallest such integer with the sign bit put back (exact, -inf and -0
+    included). Other inputs take ``amax``.
+    """
+    if x.dtype != torch.bfloat16 or not nonpositive:
+        return x.unflatten(1, (n, -1)).amax(dim=2)
+    magnitude = x.view(torch.int16) & 0x7FFF
+    return (magnitude.unflatten(1, (n, -1)).amin(dim=2) | -32768).view(torch.bfloat16)
 
 
 def padded_rows(n: int) -> int:
@@ -224,7 +239,8 @@ class CpuBackend(Backend):
 
         target = native.target(self.caps)
         return DecodingKernels(row_bucket=padded_rows, blockwise_topk=True, low_precision_scores=True,
-                               step_attention=native.step_attention(target), scores=native.scores(target))
+                               step_attention=native.step_attention(target), scores=native.scores(target),
+                               block_maxima=bf16_block_maxima)
 
     def loss_kernel(self):
         from attnmt.backends import native

@@ -45,8 +45,8 @@ from torch import nn
 from attnmt.backends.base import Backend, HostStaging, Mode
 from attnmt.errors import UserError
 from attnmt.models.kernels import DecodingKernels
-from attnmt.models.linear import set_plain_attention_max_len
 from attnmt.models.packing import set_row_packing
+from attnmt.models.tuning import set_plain_attention_max_len
 
 SCORE_ROWS = 16384  # decoder rows scored per block: every row of any batch the default --max-tokens makes
 

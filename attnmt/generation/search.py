@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from attnmt.models.interface import SearchModel
-from attnmt.models.kernels import DecodingKernels
+from attnmt.models.kernels import BlockMaxima, DecodingKernels
 
 NEG_INF = float("-inf")
 
@@ -253,17 +253,10 @@ def step_log_probs(logits: Tensor, step: int, max_len: Tensor, generated: Tensor
 TOPK_BLOCK = 64  # best_extensions scans the vocabulary as blocks of this many tokens
 
 
-def _block_maxima(x: Tensor, n: int, nonpositive: bool) -> Tensor:
-    """Maxima of ``n`` equal blocks of each row of ``x`` (R, n * c) -> (R, n).
-
-    PyTorch reduces bf16 through float conversions, slower than this (benchmarks/kernel_choices.py; figures per CPU in docs/experiments.md): for values <= 0 (log-probabilities),
-    the bf16 bit pattern read as an integer, sign bit cleared, orders them by magnitude, so the block maximum is
-    the block's smallest such integer with the sign bit put back (exact, -inf and -0 included).
-    """
-    if x.dtype != torch.bfloat16 or not nonpositive:
-        return x.unflatten(1, (n, -1)).amax(dim=2)
-    magnitude = x.view(torch.int16) & 0x7FFF
-    return (magnitude.unflatten(1, (n, -1)).amin(dim=2) | -32768).view(torch.bfloat16)
+def block_maxima(x: Tensor, n: int, nonpositive: bool) -> Tensor:
+    """Maxima of ``n`` equal blocks of each row of ``x`` (R, n * c) -> (R, n); ``nonpositive``: every value is
+    <= 0 (log-probabilities), which a backend's faster form (``DecodingKernels.block_maxima``) may rely on."""
+    return x.unflatten(1, (n, -1)).amax(dim=2)
 
 
 def token_bias(vocab: int, step: int, cfg: SearchConfig, sym: Symbols, device: torch.device) -> Tensor:
@@ -292,14 +285,16 @@ class Normalizer:
 
 
 def best_extensions(lprobs: Tensor, scores: Tensor, beam: int, nonpositive: bool = False, blockwise: bool = True,
-                    normalizer: Normalizer | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                    normalizer: Normalizer | None = None,
+                    maxima_of: BlockMaxima | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The best ``C = min(2 * beam, beam * V)`` one-token extensions of each sentence's hypotheses, best first.
 
     ``lprobs`` (A * beam, V): next-token log-probabilities of each sentence's ``beam`` hypotheses (consecutive
     rows); ``scores`` (A * beam,): their cumulative log-probabilities. Returns, each (A, C): the extended
     cumulative scores (float32), the new token's log-probability (float32), the hypothesis extended
     (0..beam-1) and the token; the same as a top-C over the (A, beam * V) sums, without forming them.
-    ``nonpositive``: every log-probability is <= 0 (no ``--unkpen`` reward), which allows a faster bf16 scan.
+    ``nonpositive``: every log-probability is <= 0 (no ``--unkpen`` reward), which allows a faster bf16 scan;
+    ``maxima_of``: the backend's block maxima (``DecodingKernels.block_maxima``; None: :func:`block_maxima`).
 
     ``torch.topk`` over a 10k vocabulary costs several times a max reduction over it, so each row is cut into
     blocks of ``TOPK_BLOCK`` tokens. A block's candidates score at most its hypothesis' score plus the block's
@@ -324,7 +319,7 @@ def best_extensions(lprobs: Tensor, scores: Tensor, beam: int, nonpositive: bool
         top_s, j = (scores.view(-1, 1) + lprobs.float()).view(A, beam * V).topk(C, dim=1)
         return top_s, lprobs.reshape(A, beam * V).gather(1, j).float(), j // V, j % V
     if normalizer is None:
-        maxima = _block_maxima(lprobs[:, : n * c], n, nonpositive).float()
+        maxima = (maxima_of or block_maxima)(lprobs[:, : n * c], n, nonpositive).float()
     else:
         maxima = normalizer.maxima - normalizer.lse[:, None]
     bound = maxima + scores.view(-1, 1)  # (R, n)
@@ -392,7 +387,8 @@ def next_token_extensions(model, tokens: Tensor, step: int, enc, cache, max_len:
                                 keep_bf16=kernels.low_precision_scores)
         if per != beam:
             lprobs = lprobs.repeat_interleave(beam // per, dim=0)
-        parts.append(best_extensions(lprobs, scores[lo:hi], beam, cfg.unkpen >= 0, kernels.blockwise_topk))
+        parts.append(best_extensions(lprobs, scores[lo:hi], beam, cfg.unkpen >= 0, kernels.blockwise_topk,
+                                     maxima_of=kernels.block_maxima))
     if len(parts) == 1:
         return parts[0]
     return tuple(torch.cat(p) for p in zip(*parts))

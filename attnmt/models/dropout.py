@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnmt.models.kernels import DropoutMasks
-from attnmt.models.linear import DropoutKernel
+from attnmt.models.tuning import DropoutKernel
 
 # activation dtype -> (integer dtype of the same width, bit pattern of 1.0 in that dtype)
 _LANES = {

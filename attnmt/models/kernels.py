@@ -125,6 +125,9 @@ class ScoreKernel(ABC):
         both float32."""
 
 
+BlockMaxima = Callable[[Tensor, int, bool], Tensor]  # (x (R, n * c), n, nonpositive) -> the maxima of n blocks (R, n)
+
+
 @dataclass(frozen=True)
 class DecodingKernels:
     """How a search step runs on a device: the backend's choice (``Backend.decoding_kernels``); the cache and the
@@ -140,6 +143,8 @@ class DecodingKernels:
     a kernel for one-token steps (:class:`StepAttention`; the CPU's compiled one), used where it ``supports`` the
     queries; the matmul or fused form otherwise. ``scores``: a :class:`ScoreKernel` for the blockwise selection
     (the CPU's compiled one), used where it ``supports`` the logits; ``log_softmax`` and block maxima otherwise.
+    ``block_maxima``: how those maxima are taken (None: ``amax`` over each block; the CPU's reads bf16
+    log-probabilities as integers).
     ``score_rows``: about how many rows a step projects to the vocabulary and scores at a time (whole sentences):
     few on a CPU, so that the logits stay in cache and their memory is reused; on a GPU all the batch's at once,
     where every block costs its own few dozen kernel launches. Each sentence's numbers are the same either way.
@@ -152,6 +157,7 @@ class DecodingKernels:
     scores: ScoreKernel | None = None
     blockwise_topk: bool = True
     low_precision_scores: bool = True
+    block_maxima: BlockMaxima | None = None
 
 
 Projection = Callable[[Tensor, Tensor], Tensor]  # (a, b) -> a @ b^T

@@ -150,7 +150,7 @@ class TrainingRun:
         if extra_validators is None:
             extra_validators = []
             if self.cfg.eval_bleu and not self.cfg.disable_validation:
-                from attnmt.training.bleu import BleuValidator
+                from attnmt.training.bleu_validation import BleuValidator
 
                 extra_validators.append(BleuValidator(self.task, self.cfg, self.backend))
         self.extra_validators = extra_validators

@@ -98,7 +98,7 @@ def test_model_linear_contract(relu):
 
 def test_fp32_training_layers_and_attention_kernel(cpu_env):
     from attnmt.backends.onednn import TrainingLinear
-    from attnmt.models.linear import AttentionKernel
+    from attnmt.models.tuning import AttentionKernel
 
     cpu_env(ATTNMT_CPU_ONEDNN_FP32="0")
     model = _model()
@@ -118,8 +118,8 @@ def test_fp32_training_layers_and_attention_kernel(cpu_env):
 def test_cpu_training_draws_dropout_masks_from_random_bits_and_cuda_keeps_f_dropout():
     from attnmt.backends.cuda import CudaBackend
     from attnmt.models.dropout import Dropout
-    from attnmt.models.linear import DropoutKernel
     from attnmt.models.transformer import MultiHeadAttention
+    from attnmt.models.tuning import DropoutKernel
 
     model = _model()
     sites = [m for m in model.modules() if isinstance(m, DropoutKernel)]

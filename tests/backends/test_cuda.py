@@ -7,7 +7,8 @@ from conftest import tiny_transformer
 
 from attnmt.backends import backend_for, resolve_precision
 from attnmt.backends.cuda import CudaBackend
-from attnmt.models.linear import AttentionKernel, Linear
+from attnmt.models.linear import Linear
+from attnmt.models.tuning import AttentionKernel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 

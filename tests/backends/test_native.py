@@ -665,7 +665,7 @@ def test_the_cpu_backend_trains_with_the_compiled_attention_and_dropout(monkeypa
     """``prepare_training`` gives the attention modules the attention kernel and every module with dropout the
     dropout kernel (none when switched off); a training step's loss and gradients are those of PyTorch's plain
     attention."""
-    from attnmt.models.linear import AttentionKernel, DropoutKernel, set_fused_attention
+    from attnmt.models.tuning import AttentionKernel, DropoutKernel, set_fused_attention
 
     monkeypatch.setenv(native.SWITCH, kernels)
     native.clear()

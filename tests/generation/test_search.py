@@ -329,14 +329,14 @@ def test_config_validation_messages():
 
 @pytest.mark.precision
 def test_bf16_block_maxima_of_log_probabilities_are_exact():
-    from attnmt.generation.search import _block_maxima
+    from attnmt.backends.cpu import bf16_block_maxima
 
     g = torch.Generator().manual_seed(0)
     x = -(torch.rand(7, 4 * 64, generator=g) * 30).to(torch.bfloat16)
     x[0, :64] = float("-inf")  # a block of masked tokens
     x[1, 70] = -0.0
     x[2, 5] = 0.0
-    got = _block_maxima(x, 4, nonpositive=True)
+    got = bf16_block_maxima(x, 4, nonpositive=True)
     want = x.float().unflatten(1, (4, -1)).amax(dim=2).to(torch.bfloat16)
     assert got.dtype == torch.bfloat16
     assert torch.equal(got.float(), want.float())

@@ -56,7 +56,7 @@ def test_plain_attention_equals_sdpa(causal):
 def test_cpu_attention_math_runs_the_plain_kernel_with_the_same_result():
     import attnmt.models.transformer as T
     from attnmt.backends import backend_for
-    from attnmt.models.linear import set_fused_attention
+    from attnmt.models.tuning import set_fused_attention
 
     model = small_model().eval()
     b = small_batch()
@@ -95,7 +95,7 @@ def test_packed_decoder_rows_give_the_padded_decoders_loss_and_gradients(plain_m
     """Teacher forcing on the real target positions only (a prefix of each row) computes what the padded
     decoder computes at those positions, gradients included; a mask that is not a prefix takes the padded path."""
     import attnmt.models.packing as packing
-    from attnmt.models.linear import set_plain_attention_max_len
+    from attnmt.models.tuning import set_plain_attention_max_len
 
     model = small_model().double().eval()
     set_plain_attention_max_len(model, plain_max_len)
