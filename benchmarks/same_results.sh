@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Bitwise reproducibility across a code change: train 30 updates with a fixed seed, average, translate, and write
+# Bitwise reproducibility across a code change: train 50 updates with a fixed seed, average, translate, and write
 # digests that a run of another version of the code must match exactly.
 #
 #   bash benchmarks/same_results.sh DATA_BIN MODEL OUT
@@ -15,7 +15,7 @@ for prec in fp32 auto; do
   rm -rf "$OUT/ckpt_$prec"
   attnmt train "$BIN" --arch transformer_small --save-dir "$OUT/ckpt_$prec" --precision "$prec" --threads 2 \
     --max-tokens 4096 --lr 1e-3 --warmup-updates 500 --warmup-init-lr 1e-7 --label-smoothing 0.1 \
-    --weight-decay 0.0001 --max-update 30 --seed 1 --log-interval 10 --save-interval-updates 10 \
+    --weight-decay 0.0001 --max-update 50 --seed 1 --log-interval 10 --save-interval-updates 10 \
     --keep-interval-updates 3 2> "$OUT/train_$prec.log"
   python "$HERE/checkpoint_digest.py" "$OUT/ckpt_$prec/checkpoint_last.pt" > "$OUT/digests/checkpoint_last_$prec.json"
 done

@@ -165,3 +165,26 @@ def test_the_package_exports_the_api_without_loading_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["attnmt.api", "UserError"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_on_a_gpu_the_api_and_the_service_give_the_commands_translations(ckpt):
+    from service import Service
+
+    from attnmt import Translator
+
+    lines = sentence_lines(24, 41)
+    with Translator(str(ckpt), max_len_b=12, device="cuda") as t:
+        assert t.device.type == "cuda"
+        got = t.translate(lines)
+        scored = t.score(lines[:4], sentence_lines(4, 42))
+    assert got == cli_translate(ckpt, lines, "--max-len-b", "12", "--device", "cuda")
+    assert all(s.logprob <= 0 for s in scored)
+    s = Service(ckpt, "--max-len-b", "12", "--device", "cuda")
+    try:
+        status, body, _ = s.request("/translate", {"q": lines[:8], "source": "en", "target": "de"})
+        assert (status, body) == (200, {"translatedText": got[:8]})
+        assert s.request("/health")[1]["device"].startswith("cuda")
+    finally:
+        assert s.stop() == 0
