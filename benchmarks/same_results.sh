@@ -27,5 +27,5 @@ for mode in "fp32" "auto" "fp32 --quantize int8" "fp32 --workers 2 --threads 2" 
   # shellcheck disable=SC2086
   attnmt generate "$BIN" --path "$MODEL" --gen-subset test --quiet --precision $mode > "$OUT/digests/test_$name.txt"
 done
-attnmt generate "$BIN" --path "$OUT/averaged.pt" --gen-subset test --quiet --beam 2 > "$OUT/digests/test_30updates.txt"
+attnmt generate "$BIN" --path "$OUT/averaged.pt" --gen-subset test --quiet --beam 2 > "$OUT/digests/test_trained_averaged.txt"
 sha256sum "$OUT"/digests/* | sed "s#$OUT/##"
