@@ -13,6 +13,7 @@ the command's. Bad input raises :class:`attnmt.errors.UserError` with the comman
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ import torch
 from attnmt.errors import UserError
 from attnmt.generation.search import Hypothesis, SearchConfig
 
-__all__ = ["Alignment", "Hypothesis", "ReferenceScore", "Translation", "Translator"]
+__all__ = ["Alignment", "ReferenceScore", "Translation", "Translator"]
 
 
 @dataclass
@@ -70,7 +71,7 @@ class Translator:
     options may also be given per call of ``translate``. Thread-safe: calls are served one at a time.
     """
 
-    def __init__(self, path: str, **options: Any):
+    def __init__(self, path: str | os.PathLike, **options: Any):
         from attnmt.backends import configure_process
         from attnmt.generation.options import generation_configs, known_options
         from attnmt.inference import load_generator
@@ -79,7 +80,7 @@ class Translator:
         self._check_names(options, known_options(), "Translator")
         self.search_cfg, self.gen_cfg = generation_configs(_given(options))
         configure_process("generate", self.gen_cfg.device)
-        self.bundle, self.generator = load_generator(path, self.search_cfg, self.gen_cfg)
+        self.bundle, self.generator = load_generator(str(path), self.search_cfg, self.gen_cfg)
         self.note = self.bundle.with_remove_bpe(remove_bpe)  # what --remove-bpe would print, if anything
         self._options = options
         self._generators: dict[str, Any] = {repr(self.search_cfg): self.generator}
