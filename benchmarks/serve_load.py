@@ -149,8 +149,8 @@ def main() -> None:
 
     # the machine's speed drifts between runs: translate is measured before and after the service, and its mean
     # is the yardstick
-    before, search_only = translate_rate(args.path, sentences, options)
-    print(f"attnmt translate: {before:.1f} sentences/s ({len(sentences)} sentences, loading excluded; "
+    base_before, search_only = translate_rate(args.path, sentences, options)
+    print(f"attnmt translate: {base_before:.1f} sentences/s ({len(sentences)} sentences, loading excluded; "
           f"{search_only:.1f} in its own search-time count)", flush=True)
     proc, host, port = start_service(args.path, options + args.serve_args.split())
     rows = []
@@ -199,16 +199,17 @@ def main() -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(60)
-    after, _ = translate_rate(args.path, sentences, options)
-    base = (before + after) / 2
+    base_after, _ = translate_rate(args.path, sentences, options)
+    base = (base_before + base_after) / 2
     for r in rows:
         r["vs_translate"] = r["sentences_per_s"] / base
-    print(f"attnmt translate again: {after:.1f} sentences/s; the yardstick: their mean, {base:.1f}")
+    print(f"attnmt translate again: {base_after:.1f} sentences/s; the yardstick: their mean, {base:.1f}")
     print(f"\nservice alive at the end: {alive}; exit code after SIGTERM: {code}\n")
     print("| clients | sentences/s | vs `attnmt translate` | p50 ms | p95 ms | p99 ms | failed | sentences per "
           "decoding call | decoder busy |")
     print("|---|---|---|---|---|---|---|---|---|")
-    print(f"| `attnmt translate` (before {before:.1f}, after {after:.1f}) | {base:.1f} | 1.00 | | | | | | |")
+    print(f"| `attnmt translate` (before {base_before:.1f}, after {base_after:.1f}) | {base:.1f} | 1.00 | | | | | | "
+          f"|")
     for r in rows:
         print(f"| {r['clients']} | {r['sentences_per_s']:.1f} | {r['vs_translate']:.2f} | {r['p50_ms']:.0f} | "
               f"{r['p95_ms']:.0f} | {r['p99_ms']:.0f} | {r['failed']} | {r['mean_batch']:.1f} | "
@@ -218,8 +219,8 @@ def main() -> None:
             print(f"\nmalformed requests during the {r['clients']}-client run: {r['malformed_4xx']}/{r['malformed']} "
                   f"answered 4xx (by status: {r['malformed_status']})")
     if args.json:
-        Path(args.json).write_text(json.dumps({"translate": base, "rows": rows, "alive": alive, "exit": code},
-                                              indent=1))
+        Path(args.json).write_text(json.dumps({"translate": [base_before, base_after], "rows": rows, "alive": alive,
+                                               "exit": code}, indent=1))
 
 
 if __name__ == "__main__":
