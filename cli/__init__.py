@@ -156,8 +156,24 @@ def _standard_streams() -> None:
         sys.stderr.reconfigure(errors="backslashreplace")
 
 
+def _launcher_rank(argv: list[str]) -> list[str]:
+    """``python -m torch.distributed.launch ... $(which attnmt) train ...`` (fairseq's getting-started line) puts
+    ``--local-rank=K`` (or ``--local_rank K``) before the subcommand: taken off here, as LOCAL_RANK."""
+    i = 0
+    while i < len(argv) and argv[i].startswith("--local"):
+        name, _, value = argv[i].partition("=")
+        if name not in ("--local-rank", "--local_rank"):
+            break
+        if not value and i + 1 < len(argv):
+            i += 1
+            value = argv[i]
+        os.environ.setdefault("LOCAL_RANK", value)
+        i += 1
+    return argv[i:]
+
+
 def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = _launcher_rank(list(sys.argv[1:] if argv is None else argv))
     _standard_streams()
     try:
         from attnmt import signals

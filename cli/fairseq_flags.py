@@ -26,7 +26,7 @@ INSTEAD = {
     "--wandb-project": "attnmt logs to train.jsonl, --log-file and --tensorboard-logdir: " + DROP,
     "--lang-pairs": "fairseq's multilingual task, which attnmt does not implement; train one model per pair",
     "--share-decoders": "fairseq's multilingual task, which attnmt does not implement; train one model per pair",
-    "--sacrebleu": "attnmt score computes sacreBLEU by default; fairseq's tokenized BLEU is attnmt score --tokenized",
+    "--sacrebleu": "attnmt score computes sacreBLEU by default; fairseq's tokenized BLEU is attnmt score --tokenized-bleu",
     "--moses-source-lang": "attnmt preprocess --tokenizer moses records the languages; nothing to give at "
                            "translation time",
     "--moses-target-lang": "attnmt preprocess --tokenizer moses records the languages; nothing to give at "

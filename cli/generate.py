@@ -44,12 +44,12 @@ def print_summary(command: str, generator, search_cfg: SearchConfig, start: floa
 
 def _binarized_split(bundle, data_bin: str, subset: str):
     """(source id lists, reference texts or None, source texts) of split ``subset`` of ``data_bin``."""
-    from attnmt.data.indexed import IndexedDataset, exists
+    from attnmt.data.indexed import IndexedDataset, exists, pair_prefix
     from attnmt.inference import check_data_dir
 
     check_data_dir(bundle, data_bin)
     src, tgt = bundle.source_lang, bundle.target_lang
-    prefix = f"{data_bin}/{subset}.{src}-{tgt}"
+    prefix = pair_prefix(data_bin, subset, src, tgt)
     if not exists(f"{prefix}.{src}"):
         raise UserError(f"{prefix}.{src}.bin/.idx: split '{subset}' not found in {data_bin}; choose another "
                         f"--gen-subset or binarize it with attnmt preprocess --testpref")

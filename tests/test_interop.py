@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 import struct
 
@@ -98,6 +99,23 @@ def test_fairseq_round_trip_translates_the_same(trained, tmp_path):
                      "--finetune-from", str(out), "--save-dir", str(tmp_path / "ft"), "--max-update", "22",
                      "--threads", "1", "--progress", "none"])
     assert code == 0, err
+
+
+def test_a_fairseq_checkpoint_given_where_an_attnmt_one_goes_names_import_fairseq(trained, tmp_path):
+    root, data, ck = trained
+    fs = tmp_path / "fairseq.pt"
+    _as_fairseq_file(checkpoint.load(ck), fs)
+    old = tmp_path / "old_fairseq.pt"  # older fairseq versions store their options as an argparse.Namespace
+    state = torch.load(fs, weights_only=False)
+    torch.save({"args": argparse.Namespace(arch="transformer"), "model": state["model"]}, old)
+    for path in (fs, old):
+        for args in (["generate", str(data), "--path", str(path), "--gen-subset", "valid"],
+                     ["average-checkpoints", "--inputs", str(path), str(ck), "--output", str(tmp_path / "a.pt")]):
+            code, err = run(args)
+            assert code == 1, err
+            assert err.splitlines()[-1] == (f"attnmt: error: {path}: a fairseq checkpoint, not an attnmt one; convert "
+                                            f"it once with attnmt import-fairseq {path} --data DATA_BIN --output "
+                                            f"model.pt (DATA_BIN: the fairseq data-bin with its dict.*.txt)")
 
 
 def test_import_refuses_what_attnmt_cannot_run(trained, tmp_path):

@@ -237,6 +237,10 @@ def upgrade(ckpt: dict, path: str | os.PathLike) -> dict:
     return ckpt
 
 
+FAIRSEQ_HINT = ("{path}: a fairseq checkpoint, not an attnmt one; convert it once with attnmt import-fairseq {path} "
+                "--data DATA_BIN --output model.pt (DATA_BIN: the fairseq data-bin with its dict.*.txt)")
+
+
 def load(path: str | os.PathLike, mmap: bool = False) -> dict:
     """Read a checkpoint safely (``weights_only=True``); anything but a complete attnmt checkpoint is a UserError.
 
@@ -250,9 +254,13 @@ def load(path: str | os.PathLike, mmap: bool = False) -> dict:
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and zipfile.is_zipfile(path))
     except Exception as e:  # truncated file, foreign pickle, ...: the weights-only unpickler fails in many ways
+        if "argparse.Namespace" in str(e):  # what older fairseq versions store their options as
+            raise UserError(FAIRSEQ_HINT.format(path=path)) from None
         first = (str(e).strip().splitlines() or [""])[0][:200]
         raise UserError(f"{path}: not an attnmt checkpoint (torch.load with weights_only=True failed: "
                         f"{type(e).__name__}: {first}); use a file written by attnmt train") from None
+    if isinstance(ckpt, dict) and "model" in ckpt and ("cfg" in ckpt or "args" in ckpt) and "format" not in ckpt:
+        raise UserError(FAIRSEQ_HINT.format(path=path))
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise UserError(f"{path}: not an attnmt checkpoint (no format '{FORMAT}'); use a file written by attnmt train")
     version = ckpt.get("version")

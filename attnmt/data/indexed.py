@@ -88,6 +88,16 @@ def exists(prefix: str | os.PathLike) -> bool:
     return os.path.isfile(bin_path(prefix)) and os.path.isfile(idx_path(prefix))
 
 
+def pair_prefix(data_bin: str | os.PathLike, split: str, src: str, tgt: str) -> str:
+    """``DATA_BIN/SPLIT.SRC-TGT`` (add ``.LANG``), or ``SPLIT.TGT-SRC`` when only the pair written the other way
+    round is there: a data-bin binarized de-en also serves en-de, as in fairseq."""
+    forward = os.path.join(os.fspath(data_bin), f"{split}.{src}-{tgt}")
+    backward = os.path.join(os.fspath(data_bin), f"{split}.{tgt}-{src}")
+    if not exists(f"{forward}.{src}") and exists(f"{backward}.{src}"):
+        return backward
+    return forward
+
+
 class IndexedDatasetBuilder:
     """Appends sequences to ``PREFIX.bin`` (through a temp file) and writes ``PREFIX.idx`` on ``finalize``.
 

@@ -93,7 +93,10 @@ class TranslationTask:
         return self.tgt_dict.pad()
 
     def split_prefix(self, split: str, lang: str) -> Path:
-        return self.data_bin / f"{split}.{self.src_lang}-{self.tgt_lang}.{lang}"
+        """The ``lang`` side of ``split`` (written as this pair, or as the reverse pair)."""
+        from attnmt.data.indexed import pair_prefix
+
+        return Path(f"{pair_prefix(self.data_bin, split, self.src_lang, self.tgt_lang)}.{lang}")
 
     def dataset(self, split: str, pad_to_multiple: int = 1) -> LanguagePairDataset:
         """The binarized ``split`` as (source, target) pairs; batches padded to a multiple of ``pad_to_multiple``."""

@@ -214,7 +214,11 @@ class TrainingRun:
         if last.exists():
             if cfg.finetune_from:
                 log.info(f"{last} exists: resuming from it, --finetune-from is ignored")
-            train_time = resume(last, *args)
+            resets = cfg.restore_file == checkpoint.LAST  # with --restore-file, its --reset-* flags were for it
+            if not resets and (cfg.reset_optimizer or cfg.reset_lr_scheduler or cfg.reset_dataloader):
+                log.info(f"{last} exists: resuming this run's own progress; the --reset-* flags applied to "
+                         f"--restore-file {cfg.restore_file} when the run began")
+            train_time = resume(last, *args, resets=resets)
             dropped = log.forget_after(trainer.num_updates)
             if dropped:
                 log.info(f"train.jsonl: dropped {dropped} record(s) of updates after {trainer.num_updates}, which "
@@ -226,7 +230,7 @@ class TrainingRun:
                                 f"converted by attnmt import-fairseq)")
             log.info(f"restoring {restore} (reset: optimizer {cfg.reset_optimizer}, lr scheduler "
                      f"{cfg.reset_lr_scheduler}, dataloader {cfg.reset_dataloader})")
-            train_time = resume(restore, *args)
+            train_time = resume(restore, *args, restore=True)
         elif cfg.finetune_from:
             finetune(Path(cfg.finetune_from), trainer, self.data_state, log)
         if not last.exists() and log.forget_after(trainer.num_updates):  # a run killed before its first full save

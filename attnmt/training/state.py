@@ -7,6 +7,7 @@ Resuming restores everything, so that N updates + restart + N updates give bitwi
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from attnmt import checkpoint
@@ -49,8 +50,18 @@ def build_state(trainer: Trainer, setup: Setup, cfg: TrainConfig, model_name: st
 
 
 def resume(path: Path, cfg: TrainConfig, setup: Setup, trainer: Trainer, itr: EpochBatchIterator, best: Best,
-           model_name: str, model_cfg, data_state: DataSection, log: RunLog) -> float:
-    """Continue from checkpoint_last.pt; returns the training time already spent."""
+           model_name: str, model_cfg, data_state: DataSection, log: RunLog, restore: bool = False,
+           resets: bool = True) -> float:
+    """Continue from checkpoint_last.pt (or, ``restore``, from another run's checkpoint: ``--restore-file``);
+    returns the training time already spent.
+
+    ``--restore-file X --reset-optimizer`` is fairseq's fine-tuning idiom: the update count (which fairseq keeps
+    with the optimizer's state) starts again at 0, and with it the schedule and ``--max-update``. A run resuming
+    its own checkpoint_last.pt keeps its count; ``resets=False`` (the restart of a run begun with --restore-file)
+    ignores the --reset-* flags, which were meant for the restored checkpoint, so the restart resumes exactly.
+    """
+    if not resets:
+        cfg = dataclasses.replace(cfg, reset_optimizer=False, reset_lr_scheduler=False, reset_dataloader=False)
     ckpt = checkpoint.load(path)
     fix = (f"Use a different --save-dir for a new model, or --finetune-from {path} (weights only) with the "
            f"matching --arch/options to start a new run from it")
@@ -69,11 +80,15 @@ def resume(path: Path, cfg: TrainConfig, setup: Setup, trainer: Trainer, itr: Ep
         trainer.model.load_state_dict(ckpt["model"])
     except RuntimeError as e:
         raise UserError(f"{path}: weights do not fit the model ({str(e).splitlines()[0]}); {fix}") from None
+    recount = restore and cfg.reset_optimizer
     try:
         trainer.load_state_dict(tstate, reset_optimizer=cfg.reset_optimizer,
-                                reset_lr_scheduler=cfg.reset_lr_scheduler)
+                                reset_lr_scheduler=cfg.reset_lr_scheduler, reset_num_updates=recount)
     except (ValueError, KeyError) as e:
         raise UserError(f"{path}: optimizer state does not fit ({e}); add --reset-optimizer") from None
+    if recount:
+        log.info(f"--reset-optimizer with --restore-file: the update count starts again at 0 (was "
+                 f"{int(tstate['num_updates'])} in {path}), as in fairseq")
     if not cfg.reset_dataloader:
         warning = itr.load_state_dict(tstate["iterator"])
         if warning:

@@ -201,14 +201,17 @@ class Trainer:
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
         }
 
-    def load_state_dict(self, state: dict, *, reset_optimizer: bool = False, reset_lr_scheduler: bool = False) -> None:
-        self.num_overflows = int(state.get("num_overflows", 0))
+    def load_state_dict(self, state: dict, *, reset_optimizer: bool = False, reset_lr_scheduler: bool = False,
+                        reset_num_updates: bool = False) -> None:
+        """``reset_num_updates``: count updates from 0 again (fine-tuning from another run's state)."""
+        num_updates = 0 if reset_num_updates else int(state["num_updates"])
+        self.num_overflows = 0 if reset_num_updates else int(state.get("num_overflows", 0))
         if not reset_optimizer:
             self.optimizer.load_state_dict(state["optimizer"])
             if self.scaler is not None and state.get("scaler"):
                 self.scaler.load_state_dict(state["scaler"])
-        if reset_lr_scheduler:
-            self.lr_scheduler.start_update = int(state["num_updates"])
+        if reset_lr_scheduler or reset_num_updates:
+            self.lr_scheduler.start_update = num_updates
         else:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self.set_num_updates(int(state["num_updates"]))
+        self.set_num_updates(num_updates)

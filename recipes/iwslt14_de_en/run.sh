@@ -58,8 +58,8 @@ log "3/6 train transformer_iwslt_de_en for at most $MAX_TIME_MINUTES minutes"
 # shellcheck disable=SC2086
 attnmt train "$BIN" --arch transformer_iwslt_de_en --share-all-embeddings --save-dir "$CKPT" --precision "$PRECISION" \
   --threads "$THREADS" --max-tokens 4096 --lr 5e-4 --warmup-updates "$WARMUP_UPDATES" --warmup-init-lr 1e-7 \
-  --label-smoothing 0.1 --weight-decay 0.0001 --max-time-minutes "$MAX_TIME_MINUTES" --max-update "$MAX_UPDATE" \
-  --keep-last-epochs "$AVG" --seed 1 --log-interval 50 $BLEU_ARGS ${EXTRA_TRAIN_ARGS:-}
+  --label-smoothing 0.1 --dropout 0.3 --weight-decay 0.0001 --max-time-minutes "$MAX_TIME_MINUTES" \
+  --max-update "$MAX_UPDATE" --keep-last-epochs "$AVG" --seed 1 --log-interval 50 $BLEU_ARGS ${EXTRA_TRAIN_ARGS:-}
 
 log "4/6 average the last $AVG epoch checkpoints"
 N=$(find "$CKPT" -name 'checkpoint[0-9]*.pt' | wc -l)

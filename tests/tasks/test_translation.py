@@ -72,3 +72,28 @@ def test_model_config_shares_embeddings_only_with_a_joined_dictionary(data_bin, 
     assert meta["joined_dictionary"] is False
     _, cfg, notes = split.model_config("transformer_small", {})
     assert not cfg.share_all_embeddings and notes == ["not sharing embeddings: the dictionaries are not joined"]
+
+
+def test_a_data_bin_written_one_way_serves_the_reverse_direction(data_bin, tmp_path, capsys):
+    """fairseq's -s en -t de on a data-bin binarized de-en (or the reverse): the pair's files are found either way
+    round, and the sides swap."""
+    from helpers import TINY_MODEL
+
+    from attnmt.cli import main
+
+    task = TranslationTask(TranslationConfig(source_lang="de", target_lang="en"), data_bin)
+    forward = TranslationTask(TranslationConfig(), data_bin)
+    back, ahead = task.dataset("valid"), forward.dataset("valid")
+    assert len(back) == len(ahead) > 0
+    assert back.src[3].tolist() == ahead.tgt[3].tolist() and back.tgt[3].tolist() == ahead.src[3].tolist()
+    assert task.split_prefix("valid", "de").name == "valid.en-de.de"
+    ck = tmp_path / "ck"
+    main(["train", str(data_bin), *TINY_MODEL, "-s", "de", "-t", "en", "--save-dir", str(ck), "--max-update", "2",
+          "--progress", "none", "--threads", "1"])
+    from attnmt import checkpoint
+
+    data = checkpoint.load(ck / "checkpoint_last.pt")["data"]
+    assert (data["source_lang"], data["target_lang"]) == ("de", "en")
+    main(["generate", str(data_bin), "--path", str(ck / "checkpoint_last.pt"), "--gen-subset", "valid", "--quiet",
+          "--max-len-b", "4", "--threads", "1"])
+    assert len(capsys.readouterr().out.splitlines()) == len(ahead)

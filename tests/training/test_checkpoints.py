@@ -116,6 +116,28 @@ def test_reset_flags_and_finetune(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_restore_file_with_reset_optimizer_counts_updates_from_zero_as_fairseq_does(tmp_path):
+    """fairseq's fine-tuning idiom, --restore-file X --reset-optimizer: the update count (kept with the optimizer's
+    state in fairseq) starts again at 0, so --max-update counts the new run's updates; a restart of that run
+    resumes its own progress. Without --reset-optimizer the count goes on from X's."""
+    data = make_data_bin(tmp_path / "bin")
+    base = tmp_path / "base"
+    _train(data, base, "--max-update", "4")
+    ft = tmp_path / "ft"
+    _train(data, ft, "--restore-file", str(base / ckpts.LAST), "--reset-optimizer", "--max-update", "3")
+    t = ckpts.load(ft / ckpts.LAST)["train"]
+    assert t["num_updates"] == 3
+    assert all(float(s["step"]) == 3.0 for s in t["optimizer"]["state"].values())  # 3 updates of a fresh Adam
+    assert t["lr_scheduler"] == {"start_update": 0}
+    _train(data, ft, "--restore-file", str(base / ckpts.LAST), "--reset-optimizer", "--max-update", "5")
+    t = ckpts.load(ft / ckpts.LAST)["train"]
+    assert t["num_updates"] == 5 and all(float(s["step"]) == 5.0 for s in t["optimizer"]["state"].values())
+    go_on = tmp_path / "go_on"
+    _train(data, go_on, "--restore-file", str(base / ckpts.LAST), "--max-update", "6")
+    t = ckpts.load(go_on / ckpts.LAST)["train"]
+    assert t["num_updates"] == 6 and all(float(s["step"]) == 6.0 for s in t["optimizer"]["state"].values())
+
+
 def test_a_checkpoint_of_todays_format_loads_after_a_format_change(tmp_path, monkeypatch):
     """A format change raises VERSION and registers an upgrade step; a checkpoint written before it (today's
     format, version 1) is upgraded as it is read, with the same weights; a file newer than this attnmt, or one

@@ -332,7 +332,14 @@ def test_out_of_memory_on_one_rank_stops_both_ranks_without_a_hang(tmp_path):
 # ---------------------------------------------------------------------------------------------------- 2 processes
 
 
-@pytest.mark.parametrize("update_freq, launch", [(1, "two nodes"), (2, "one node")])
+def _legacy_launch(*args) -> list[str]:
+    """fairseq's getting-started line: python -m torch.distributed.launch --nproc_per_node 2 $(which attnmt) train
+    (the launcher passes --local-rank=K before the subcommand)."""
+    return [sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node", "2", "--master_port",
+            str(_free_port()), str(Path(sys.executable).parent / "attnmt"), "train", *map(str, args)]
+
+
+@pytest.mark.parametrize("update_freq, launch", [(1, "two nodes"), (2, "one node"), (1, "torch.distributed.launch")])
 def test_two_processes_equal_one_process_with_twice_the_update_freq(tmp_path, update_freq, launch, capsys):
     """2 processes x update-freq U == 1 process x update-freq 2U after K updates (dropout off, fp32).
 
@@ -348,7 +355,10 @@ def test_two_processes_equal_one_process_with_twice_the_update_freq(tmp_path, up
             "--log-interval", "3"]
     two, one = tmp_path / "two", tmp_path / "one"
     extra = ["--update-freq", update_freq, "--save-dir", two, "--progress", "lines"]
-    r = _two_nodes(*args, *extra) if launch == "two nodes" else _run(_torchrun(*args, *extra))
+    if launch == "two nodes":
+        r = _two_nodes(*args, *extra)
+    else:
+        r = _run((_legacy_launch if launch == "torch.distributed.launch" else _torchrun)(*args, *extra))
     assert r.returncode == 0, r.stderr[-3000:]
     assert (f"effective batch = max-tokens x world size x update-freq = 96 x 2 x {update_freq} = "
             f"{192 * update_freq} padded tokens per update") in r.stderr
