@@ -350,5 +350,13 @@ def plot_attention(dump: AttentionDump, layer: int = -1, head: str | int = "mean
         ax.set_ylabel(f"target ({dump.target_lang}, {what})")
         fig.colorbar(im, ax=ax, shrink=0.9, aspect=30, label="attention weight")
         sub = f"decoder layer {li} (0..{L - 1}), " + (f"mean of {H} heads" if head == "mean" else f"head {head % H} of {H}")
-    fig.suptitle(title or f"{side} encoder-decoder attention: {sub}", fontsize=10)
+    fig.suptitle(fitted_title(fig, title or f"{side} encoder-decoder attention: {sub}", 10), fontsize=10)
     return fig
+
+
+def fitted_title(fig, text: str, fontsize: float) -> str:
+    """``text`` wrapped to the figure's width (a centred title wider than a narrow figure is cut off both sides)."""
+    import textwrap
+
+    per_line = max(20, int(fig.get_size_inches()[0] * 72 / (0.6 * fontsize)))  # about 0.6 em per character
+    return "\n".join(textwrap.wrap(text, per_line)) or text

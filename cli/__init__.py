@@ -53,13 +53,22 @@ class LazyGroup(click.Group):
             return super().invoke(ctx)
         except BrokenPipeError:  # click's main would turn it into exit 1
             raise _PipeClosed() from None
-        except click.NoSuchOption as e:  # a fairseq option: say what to use instead
-            from attnmt.cli.fairseq_flags import instead
+        except click.NoSuchOption as e:  # every option the command does not take, at once; fairseq's with a hint
+            from attnmt.cli.fairseq_flags import refusals
 
-            hint = instead(e.option_name)
-            if hint is None:
+            if e.ctx is None or e.ctx.command is ctx.command:
                 raise
-            raise click.UsageError(hint, ctx=e.ctx) from None
+            lines = refusals(e.ctx.command, ctx.meta.get("attnmt.argv", []), e.option_name)
+            if len(lines) == 1 and not lines[0].endswith("no such option"):
+                raise click.UsageError(lines[0], ctx=e.ctx) from None
+            if len(lines) == 1:
+                raise
+            raise click.UsageError(f"{len(lines)} options that attnmt {e.ctx.info_name} does not take: "
+                                   + "; ".join(lines), ctx=e.ctx) from None
+
+    def parse_args(self, ctx, args):
+        ctx.meta["attnmt.argv"] = list(args)  # to report every option a command does not take at once
+        return super().parse_args(ctx, args)
 
     def list_commands(self, ctx):
         return sorted(COMMANDS)

@@ -27,6 +27,7 @@ INSTEAD = {
     "--lang-pairs": "fairseq's multilingual task, which attnmt does not implement; train one model per pair",
     "--share-decoders": "fairseq's multilingual task, which attnmt does not implement; train one model per pair",
     "--sacrebleu": "attnmt score computes sacreBLEU by default; fairseq's tokenized BLEU is attnmt score --tokenized-bleu",
+    "--task": "attnmt's commands take the task from the data-bin or the checkpoint (translation): " + DROP,
     "--moses-source-lang": "attnmt preprocess --tokenizer moses records the languages; nothing to give at "
                            "translation time",
     "--moses-target-lang": "attnmt preprocess --tokenizer moses records the languages; nothing to give at "
@@ -39,3 +40,15 @@ def instead(option: str) -> str | None:
     name = option.split("=", 1)[0]
     hint = INSTEAD.get(name)
     return f"{name} is a fairseq option that attnmt does not take: {hint}" if hint else None
+
+
+def refusals(command, argv: list[str], first: str) -> list[str]:
+    """One line per ``--option`` of ``argv`` that ``command`` does not take (``first``, the one click stopped at,
+    included): fairseq's with what to use instead."""
+    known = {o for p in command.params for o in (*getattr(p, "opts", ()), *getattr(p, "secondary_opts", ()))}
+    names = [first.split("=", 1)[0]]
+    for a in argv:
+        name = a.split("=", 1)[0]
+        if a.startswith("--") and name not in known and name not in names and name != "--":
+            names.append(name)
+    return [instead(n) or f"{n}: no such option" for n in names]

@@ -268,6 +268,22 @@ def test_attention_dump_of_the_models_translation(tmp_path):
     assert not dump.forced and dump.score is not None
 
 
+@pytest.mark.parametrize("head", ["mean", "all"])
+def test_the_attention_title_fits_a_narrow_figure(tmp_path, head):
+    """A short sentence gives a narrow figure; its title wraps instead of running off both sides."""
+    pytest.importorskip("matplotlib")
+    from attnmt.inference import load_for_inference
+    from attnmt.plots import cross_attention_dump, plot_attention
+
+    bundle = load_for_inference(tiny_checkpoint(tmp_path / "model.pt"), "cpu")
+    fig = plot_attention(cross_attention_dump(bundle, "w1 w2", reference="W2 W1"), head=head)
+    fig.canvas.draw()
+    box = fig._suptitle.get_window_extent(fig.canvas.get_renderer())
+    width = fig.get_size_inches()[0] * fig.dpi
+    assert 0 <= box.x0 and box.x1 <= width, (box, width)
+    assert "mean of 2 heads" in fig._suptitle.get_text().replace("\n", " ") or head == "all"
+
+
 @pytest.mark.parametrize("head,reference", [("mean", None), ("all", "W2 W1"), ("1", "W2 W1")])
 def test_attention_png_is_written(tmp_path, capsys, head, reference):
     ckpt = tiny_checkpoint(tmp_path / "model.pt")

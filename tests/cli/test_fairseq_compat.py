@@ -316,3 +316,19 @@ def test_tensorboard_logdir_gets_the_train_and_valid_scalars(bpe_model, tmp_path
     tags = events.Tags()["scalars"]
     assert "train/loss" in tags and "valid/valid/loss" in tags
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2]
+
+
+def test_every_option_a_command_does_not_take_is_refused_at_once():
+    code, _, err = run(["generate", "DATA", "--path", "x.pt", "--task", "translation", "--sacrebleu",
+                        "--no-such-thing", "3"])
+    assert code == 2
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("Error: 3 options that attnmt generate does not take: --task is a fairseq option that "
+                           "attnmt does not take: attnmt's commands take the task from the data-bin or the checkpoint")
+    assert "--sacrebleu is a fairseq option that attnmt does not take: attnmt score computes sacreBLEU by default; " \
+           "fairseq's tokenized BLEU is attnmt score --tokenized-bleu" in line
+    assert line.endswith("; --no-such-thing: no such option")
+    # one unknown option that fairseq does not know either: click's own message, with its suggestion
+    code, _, err = run(["generate", "DATA", "--path", "x.pt", "--formt", "plain"])
+    assert code == 2 and "No such option '--formt'" in err
+
