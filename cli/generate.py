@@ -79,9 +79,14 @@ def _binarized_split(bundle, data_bin: str, subset: str):
 @click.option("--format", "fmt", type=click.Choice(["plain", "fairseq"]), default="plain", show_default=True,
               help="plain: one translation per line; fairseq: S-/T-/H-/D-/P- lines.")
 @click.option("--output", metavar="FILE", help="Write here (atomically) instead of stdout.")
+@click.option("--results-path", metavar="DIR",
+              help="fairseq's: write DIR/generate-SUBSET.txt (atomically) instead of stdout.")
+@click.option("-s", "--source-lang", metavar="LANG", help="fairseq's: checked against the checkpoint's source language.")
+@click.option("-t", "--target-lang", metavar="LANG", help="fairseq's: checked against the checkpoint's target language.")
 @click.option("--quiet", is_flag=True, help="No progress and no summary on stderr.")
 @remove_bpe_option
-def command(data_bin, path, gen_subset, input_path, fmt, output, quiet, remove_bpe, **params):
+def command(data_bin, path, gen_subset, input_path, fmt, output, results_path, source_lang, target_lang, quiet,
+            remove_bpe, **params):
     """Translate DATA_BIN's --gen-subset, or raw text with --input, with the checkpoint --path.
 
     \b
@@ -103,6 +108,13 @@ def command(data_bin, path, gen_subset, input_path, fmt, output, quiet, remove_b
                         "--input FILE|- for raw text")
     if input_path is not None and data_bin is not None:
         raise UserError(f"give either DATA_BIN ({data_bin}) or --input ({input_path}), not both")
+    if results_path is not None:
+        if output:
+            raise UserError(f"--results-path {results_path} and --output {output} both say where to write; give one")
+        from pathlib import Path
+
+        Path(results_path).mkdir(parents=True, exist_ok=True)
+        output = str(Path(results_path) / f"generate-{gen_subset if input_path is None else 'input'}.txt")
     if output:
         check_output_file(output, "--output")  # before translating, not at the final rename
 
@@ -111,6 +123,11 @@ def command(data_bin, path, gen_subset, input_path, fmt, output, quiet, remove_b
     note = bundle.with_remove_bpe(remove_bpe)
     if note and not quiet:
         click.echo(f"attnmt generate: {note}", err=True)
+    for flag, given, theirs in (("-s", source_lang, bundle.source_lang), ("-t", target_lang, bundle.target_lang)):
+        if given is not None and given != theirs:
+            generator.close()
+            raise UserError(f"{flag} {given}: {bundle.path} translates {bundle.source_lang}->{bundle.target_lang} "
+                            f"(a model translates one direction); drop {flag} or give that model's languages")
     try:
         if input_path is not None:
             where = "stdin" if input_path == "-" else input_path

@@ -591,3 +591,19 @@ def test_a_search_plugin_with_a_step_function_only_runs_the_one_search_loop(ckpt
                             input=stdin, capture_output=True, text=True)
     assert greedy.returncode == 0, greedy.stderr
     assert r.stdout.splitlines() == greedy.stdout.splitlines() and len(greedy.stdout.splitlines()) == 6
+
+
+def test_generate_takes_fairseqs_results_path_and_language_options(ckpt, tmp_path):
+    lines = _lines(5, 51)
+    src = tmp_path / "in.en"
+    src.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out, _ = run_cli(["generate", "--path", str(ckpt), "--input", str(src), "--max-len-b", "12", "-s", "en", "-t",
+                      "de", "--results-path", str(tmp_path / "res"), "--quiet"])
+    assert out == ""
+    assert (tmp_path / "res" / "generate-input.txt").read_text(encoding="utf-8").splitlines() == \
+        library_translations(ckpt, lines)
+    with pytest.raises(UserError, match=r"-s de: .* translates en->de \(a model translates one direction\)"):
+        run_cli(["generate", "--path", str(ckpt), "--input", str(src), "-s", "de"])
+    with pytest.raises(UserError, match="--results-path .* and --output .* both say where to write"):
+        run_cli(["generate", "--path", str(ckpt), "--input", str(src), "--results-path", str(tmp_path),
+                 "--output", str(tmp_path / "x.txt")])
