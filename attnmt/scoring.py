@@ -296,3 +296,17 @@ def tokenized_bleu(hyps: Sequence[str], refs: Sequence[str], compound_split: boo
         signature=signature, n_lines=len(hyps), counts=correct, totals=total, precisions=precisions, bp=bp,
         sys_len=sys_len, ref_len=ref_len, name="BLEU",
     )
+
+
+def fairseq_generate_bleu(hyps: Sequence[str], refs: Sequence[str]) -> str:
+    """fairseq-generate's closing BLEU, as it prints it: its scorer's BLEU4 over the whitespace tokens of the
+    references (``T-`` lines) and the hypotheses (``D-`` lines), where an ``<unk>`` of a reference matches
+    nothing."""
+    unmatched = (" ".join(f"<unk:{i}:{k}>" if w == "<unk>" else w for k, w in enumerate(r.split()))
+                 for i, r in enumerate(refs))
+    r = tokenized_bleu(hyps, list(unmatched))
+    ratio = r.sys_len / r.ref_len if r.ref_len else 0.0
+    p = r.precisions
+    return (f"BLEU4 = {r.score:2.2f}, {p[0]:2.1f}/{p[1]:2.1f}/{p[2]:2.1f}/{p[3]:2.1f} (BP={r.bp:.3f}, "
+            f"ratio={ratio:.3f}, syslen={r.sys_len}, reflen={r.ref_len})")
+

@@ -19,6 +19,10 @@ from attnmt.generation.generator import GenerationConfig
 from attnmt.generation.options import generation_configs, search_option_classes
 from attnmt.generation.search import SearchConfig
 
+# fairseq-generate's defaults, for --fairseq (each only where the command line leaves it out)
+FAIRSEQ_GENERATE = {"beam": 5, "lenpen": 1.0, "lenpen_style": "fairseq", "early_stop": "beam", "max_len_a": 0.0,
+                    "max_len_b": 200}
+
 
 def configs(params: dict) -> tuple[SearchConfig, GenerationConfig]:
     """The typed search and generation configs from the options the user gave."""
@@ -83,10 +87,14 @@ def _binarized_split(bundle, data_bin: str, subset: str):
               help="fairseq's: write DIR/generate-SUBSET.txt (atomically) instead of stdout.")
 @click.option("-s", "--source-lang", metavar="LANG", help="fairseq's: checked against the checkpoint's source language.")
 @click.option("-t", "--target-lang", metavar="LANG", help="fairseq's: checked against the checkpoint's target language.")
+@click.option("--fairseq", "fairseq_mode", is_flag=True,
+              help="fairseq-generate's defaults and output: beam 5, length normalisation (--lenpen 1 "
+                   "--lenpen-style fairseq), --early-stop beam, at most 200 tokens, S-/T-/H-/D-/P- lines and its "
+                   "closing BLEU4 line (options given explicitly win).")
 @click.option("--quiet", is_flag=True, help="No progress and no summary on stderr.")
 @remove_bpe_option
-def command(data_bin, path, gen_subset, input_path, fmt, output, results_path, source_lang, target_lang, quiet,
-            remove_bpe, **params):
+def command(data_bin, path, gen_subset, input_path, fmt, output, results_path, source_lang, target_lang,
+            fairseq_mode, quiet, remove_bpe, **params):
     """Translate DATA_BIN's --gen-subset, or raw text with --input, with the checkpoint --path.
 
     \b
@@ -102,6 +110,13 @@ def command(data_bin, path, gen_subset, input_path, fmt, output, results_path, s
     from attnmt.scoring import read_lines
 
     start = time.perf_counter()
+    if fairseq_mode:
+        sampling = params.get("sampling") or params.get("search") not in (None, "beam")
+        for name, value in FAIRSEQ_GENERATE.items():
+            if params.get(name) is None and not (sampling and name == "early_stop"):  # early_stop: beam search's
+                params[name] = value
+        if click.get_current_context().get_parameter_source("fmt") != click.core.ParameterSource.COMMANDLINE:
+            fmt = "fairseq"
     search_cfg, gen_cfg = configs(params)
     if input_path is None and data_bin is None:
         raise UserError("nothing to translate: give DATA_BIN (a directory written by attnmt preprocess) or "
@@ -139,12 +154,20 @@ def command(data_bin, path, gen_subset, input_path, fmt, output, results_path, s
 
         progress = SentenceProgress(len(sources), "translating", quiet=quiet)
         sink = atomic_open(output, "w") if output else contextlib.nullcontext(sys.stdout)
+        best: list[str] = []
         try:
             with sink as out:
                 for i, hyps in generator.generate(sources, gen_cfg.max_tokens, gen_cfg.batch_size, where=where,
                                                   progress=progress):
                     write_lines(out, format_result(i, hyps, bundle, fmt, source=texts[i],
                                                    reference=refs[i] if refs is not None else None))
+                    if fairseq_mode:
+                        best.append(bundle.detokenize(bundle.target_pieces(hyps[0].tokens)) if hyps else "")
+                if fairseq_mode and refs is not None:
+                    from attnmt.scoring import fairseq_generate_bleu
+
+                    out.write(f"Generate {gen_subset} with beam={search_cfg.beam}: "
+                              f"{fairseq_generate_bleu(best, refs)}\n")
                 out.flush()
         finally:
             progress.close()

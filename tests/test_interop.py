@@ -246,3 +246,40 @@ def test_training_on_a_fairseq_data_bin(tmp_path):
                      "--max-tokens", "256", "--threads", "1", "--progress", "lines"])
     assert code == 0, err
     assert "xx->aa" in err
+
+
+def test_generate_fairseq_gives_fairseq_generates_defaults_lines_and_bleu_line(trained):
+    """--fairseq: fairseq-generate's search defaults (beam 5, length-normalised scores, beam stopping, at most 200
+    tokens), its S/T/H/D/P lines and its closing BLEU4 line, computed over the T- and D- lines."""
+    from click.testing import CliRunner
+
+    from attnmt.cli import cli
+    from attnmt.scoring import fairseq_generate_bleu
+
+    root, data, ck = trained
+
+    def out(*extra):
+        r = CliRunner().invoke(cli, ["generate", str(data), "--path", str(ck), "--gen-subset", "valid", "--quiet",
+                                     *extra], catch_exceptions=False)
+        assert r.exit_code == 0, r.output
+        return r.stdout.splitlines()
+
+    mode = out("--fairseq")
+    explicit = out("--format", "fairseq", "--beam", "5", "--lenpen", "1", "--lenpen-style", "fairseq",
+                   "--early-stop", "beam", "--max-len-a", "0", "--max-len-b", "200")
+    assert mode[:-1] == explicit  # the same search and lines, then the BLEU line
+    refs = [ln.split("\t", 1)[1] for ln in mode if ln.startswith("T-")]
+    hyps = [ln.split("\t", 2)[2] for ln in mode if ln.startswith("D-")]
+    assert len(refs) == len(hyps) == 24
+    assert mode[-1] == f"Generate valid with beam=5: {fairseq_generate_bleu(hyps, refs)}"
+    assert mode[-1].startswith("Generate valid with beam=5: BLEU4 = ")
+    # an option given explicitly wins over the mode's default
+    assert out("--fairseq", "--beam", "2")[-1].startswith("Generate valid with beam=2: BLEU4 = ")
+
+
+def test_fairseq_generate_bleu_is_the_multi_bleu_formula_and_an_unknown_reference_word_never_matches():
+    from attnmt.scoring import fairseq_generate_bleu
+
+    assert fairseq_generate_bleu(["a b c d"], ["a b c d"]) == ("BLEU4 = 100.00, 100.0/100.0/100.0/100.0 (BP=1.000, "
+                                                               "ratio=1.000, syslen=4, reflen=4)")
+    assert fairseq_generate_bleu(["a <unk> c d"], ["a <unk> c d"]).startswith("BLEU4 = 0.00, 75.0/33.3/0.0/0.0")
