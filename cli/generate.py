@@ -46,8 +46,20 @@ def print_summary(command: str, generator, search_cfg: SearchConfig, start: floa
     click.echo(f"attnmt {command}: search: {search_cfg.describe()}", err=True)
 
 
-def _binarized_split(bundle, data_bin: str, subset: str):
-    """(source id lists, reference texts or None, source texts) of split ``subset`` of ``data_bin``."""
+def fairseq_reference(bundle, ids) -> str:
+    """fairseq-generate's ``T-`` string of a reference: its pieces, an unknown word as ``<<unk>>``, the subword
+    markers removed (its ``--post-process`` for the model's subword model), not detokenized."""
+    from attnmt.data.subword import remove_bpe
+
+    d = bundle.tgt_dict
+    skip = {d.eos(), d.pad(), d.bos()}
+    pieces = " ".join("<<unk>>" if i == d.unk() else d[i] for i in map(int, ids) if i not in skip)
+    return remove_bpe(pieces, getattr(bundle.tgt_pipeline.bpe, "fairseq_post_process", "none"))
+
+
+def _binarized_split(bundle, data_bin: str, subset: str, fairseq_refs: bool = False):
+    """(source id lists, reference texts or None, source texts) of split ``subset`` of ``data_bin``;
+    ``fairseq_refs``: the references as fairseq-generate prints them (``fairseq_reference``)."""
     from attnmt.data.indexed import IndexedDataset, exists, pair_prefix
     from attnmt.inference import check_data_dir
 
@@ -67,7 +79,8 @@ def _binarized_split(bundle, data_bin: str, subset: str):
             raise UserError(f"{prefix}.{tgt}.idx: {len(tgt_ds)} sentences but the source has {len(src_ds)}; "
                             f"re-run attnmt preprocess")
         tgt_ds.check_ids(len(bundle.tgt_dict), f"the checkpoint's {tgt} dictionary")
-        refs = [bundle.detokenize(bundle.tgt_dict.string(tgt_ds[i])) for i in range(len(tgt_ds))]
+        refs = [fairseq_reference(bundle, tgt_ds[i]) if fairseq_refs else
+                bundle.detokenize(bundle.tgt_dict.string(tgt_ds[i])) for i in range(len(tgt_ds))]
     texts = [bundle.src_pipeline.decode(bundle.source_pieces(s)) for s in sources]
     return sources, refs, texts
 
@@ -150,7 +163,7 @@ def command(data_bin, path, gen_subset, input_path, fmt, output, results_path, s
             sources, refs = bundle.encode_sources(texts), None
         else:
             where = f"{data_bin}/{gen_subset}"
-            sources, refs, texts = _binarized_split(bundle, data_bin, gen_subset)
+            sources, refs, texts = _binarized_split(bundle, data_bin, gen_subset, fairseq_refs=fairseq_mode)
 
         progress = SentenceProgress(len(sources), "translating", quiet=quiet)
         sink = atomic_open(output, "w") if output else contextlib.nullcontext(sys.stdout)

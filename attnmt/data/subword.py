@@ -210,6 +210,8 @@ class SentencePieceBPE(SubwordModel):
     def decode(self, pieces: str) -> str:
         return self._sp.decode(pieces.split())
 
+    fairseq_post_process = "sentencepiece"  # fairseq's --post-process for these pieces
+
     def model_bytes(self) -> bytes:
         return self._bytes
 
@@ -303,6 +305,8 @@ class SubwordNmtBPE(SubwordModel):
     def decode(self, pieces: str) -> str:
         return remove_bpe(" ".join(pieces.split()), "@@ ")
 
+    fairseq_post_process = "@@ "
+
     def model_bytes(self) -> bytes:
         return self._codes
 
@@ -368,6 +372,8 @@ class NoBPE(SubwordModel):
     def decode(self, pieces: str) -> str:
         return " ".join(pieces.split())
 
+    fairseq_post_process = "none"
+
     def model_bytes(self) -> bytes:
         return b""
 
@@ -398,6 +404,7 @@ class MarkedPieces(NoBPE):
 
     def __init__(self, symbol: str):
         self.symbol = symbol
+        self.fairseq_post_process = symbol
 
     def decode(self, pieces: str) -> str:
         return remove_bpe(" ".join(pieces.split()), self.symbol)
