@@ -9,9 +9,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import sentence_lines
+from helpers import make_checkpoint, sentence_lines
 
 from attnmt.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("api"))
+
+
+@pytest.fixture(scope="module")
+def translator(ckpt):
+    from attnmt import Translator
+
+    with Translator(str(ckpt), max_len_b=12, threads=1) as t:
+        yield t
 
 
 def cli_translate(ckpt: Path, lines: list[str], *options: str) -> list[str]:

@@ -10,10 +10,24 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
-from helpers import sentence_lines
+from helpers import make_checkpoint, sentence_lines
 from service import Service
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("serve"))
+
+
+@pytest.fixture(scope="module")
+def translator(ckpt):
+    from attnmt import Translator
+
+    with Translator(str(ckpt), max_len_b=12, threads=1) as t:
+        yield t
 
 
 @pytest.fixture(scope="module")
