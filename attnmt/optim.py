@@ -160,5 +160,48 @@ class FixedSchedule(_Schedule):
         return self.cfg.lr
 
 
+@dataclass
+class PolynomialDecayConfig:
+    lr: float = field(default=7e-4, metadata={"above": 0, "help": "peak learning rate reached after warm-up"})
+    warmup_updates: int = field(default=0, metadata={"min": 0, "help": "linear warm-up updates"})
+    end_learning_rate: float = field(default=0.0, metadata={"min": 0,
+        "help": "learning rate reached at --total-num-update and kept after it"})
+    power: float = field(default=1.0, metadata={"above": 0, "help": "decay exponent (1: linear)"})
+    total_num_update: int = field(default=0, metadata={"min": 0,
+        "help": "update at which the decay reaches --end-learning-rate (0: --max-update)"})
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise ValueError(f"--lr {self.lr} must be > 0")
+        if self.end_learning_rate > self.lr:
+            raise ValueError(f"--end-learning-rate {self.end_learning_rate} must not exceed --lr {self.lr}")
+        if self.total_num_update and self.total_num_update <= self.warmup_updates:
+            raise ValueError(f"--total-num-update {self.total_num_update} must exceed --warmup-updates "
+                             f"{self.warmup_updates}")
+
+
+@register("lr_scheduler", "polynomial_decay", config=PolynomialDecayConfig)
+class PolynomialDecaySchedule(_Schedule):
+    """fairseq's polynomial_decay: linear warm-up from ``lr / warmup_updates``, then
+    ``end + (lr - end) * (1 - progress) ** power`` down to ``end_learning_rate`` at ``total_num_update``.
+    With a known budget of updates, power 1 (linear decay to 0) anneals the model by the end of the run."""
+
+    def __init__(self, cfg: PolynomialDecayConfig):
+        super().__init__()
+        if cfg.total_num_update <= 0:
+            raise ValueError("--lr-scheduler polynomial_decay needs --total-num-update or --max-update")
+        self.cfg = cfg
+        self.peak = cfg.lr
+
+    def lr_at(self, step: int) -> float:
+        cfg = self.cfg
+        if cfg.warmup_updates > 0 and step <= cfg.warmup_updates:
+            return cfg.lr * max(step, 1) / cfg.warmup_updates
+        if step >= cfg.total_num_update:
+            return cfg.end_learning_rate
+        remaining = 1 - (step - cfg.warmup_updates) / (cfg.total_num_update - cfg.warmup_updates)
+        return cfg.end_learning_rate + (cfg.lr - cfg.end_learning_rate) * remaining ** cfg.power
+
+
 def build_lr_scheduler(name: str, cfg) -> _Schedule:
     return get("lr_scheduler", name).obj(cfg)

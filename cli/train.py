@@ -114,13 +114,20 @@ def _callback(data_bin: str, arch: str, **params) -> None:
             sys.exit(code)
         return
     train_cfg = dataclasses.replace(train_cfg, world_size=env.world_size, rank=env.rank, local_rank=env.local_rank)
+    lr_cfg = cfg("lr_scheduler", f"--lr-scheduler {names['lr_scheduler']}")
+    if getattr(lr_cfg, "total_num_update", None) == 0:  # fairseq's default: the decay ends at --max-update
+        if train_cfg.max_update <= 0:
+            raise UserError(f"--lr-scheduler {names['lr_scheduler']} decays to its end over a known number of "
+                            f"updates: give --total-num-update N or --max-update N")
+        lr_cfg = make_config(type(lr_cfg), {**per["lr_scheduler"], "total_num_update": train_cfg.max_update},
+                             what=f"--lr-scheduler {names['lr_scheduler']}")
     setup = Setup(
         task=names["task"], task_cfg=cfg("task", f"--task {names['task']}"),
         arch=arch, model_overrides=per["model"],
         criterion=names["criterion"], criterion_cfg=cfg("criterion", f"--criterion {names['criterion']}"),
         optimizer=names["optimizer"], optimizer_cfg=cfg("optimizer", f"--optimizer {names['optimizer']}"),
         lr_scheduler=names["lr_scheduler"],
-        lr_scheduler_cfg=cfg("lr_scheduler", f"--lr-scheduler {names['lr_scheduler']}"),
+        lr_scheduler_cfg=lr_cfg,
     )
     notice = fairseq_default_notice(given_kinds | set(given_options(params)), setup)
     if notice:

@@ -1,4 +1,4 @@
-"""LR schedules (fairseq's inverse_sqrt, fixed) and the Adam builder."""
+"""LR schedules (fairseq's inverse_sqrt, fixed, polynomial_decay) and the Adam builder."""
 
 import math
 
@@ -13,6 +13,8 @@ from attnmt.optim import (
     FixedSchedule,
     InverseSqrtConfig,
     InverseSqrtSchedule,
+    PolynomialDecayConfig,
+    PolynomialDecaySchedule,
     build_adam,
 )
 
@@ -65,6 +67,26 @@ def test_reset_moves_the_schedule_start():
 def test_fixed():
     s = FixedSchedule(FixedConfig(lr=3e-4))
     assert [s.lr_at(n) for n in (0, 1, 10 ** 6)] == [3e-4] * 3
+
+
+def test_polynomial_decay_equals_fairseqs_formula():
+    lr, warm, total, end = 2e-3, 10, 110, 1e-5
+    for power in (1.0, 2.0):
+        s = PolynomialDecaySchedule(PolynomialDecayConfig(lr=lr, warmup_updates=warm, total_num_update=total,
+                                                          end_learning_rate=end, power=power))
+        assert s.lr_at(0) == pytest.approx(lr / warm)  # fairseq starts the warm-up at lr / warmup_updates
+        assert s.lr_at(4) == pytest.approx(4 * lr / warm)
+        assert s.lr_at(warm) == pytest.approx(lr)  # the peak
+        assert s.lr_at(60) == pytest.approx(end + (lr - end) * 0.5 ** power)  # half-way through the decay
+        assert s.lr_at(total) == s.lr_at(10 * total) == pytest.approx(end)
+    linear = PolynomialDecaySchedule(PolynomialDecayConfig(lr=1e-3, total_num_update=100))
+    assert [linear.lr_at(n) for n in (0, 25, 99)] == pytest.approx([1e-3, 7.5e-4, 1e-5])
+
+
+def test_polynomial_decay_refuses_a_decay_that_ends_before_the_warmup():
+    with pytest.raises(UserError, match="--total-num-update 10 must exceed --warmup-updates 10"):
+        make_config(PolynomialDecayConfig, {"total_num_update": 10, "warmup_updates": 10},
+                    what="--lr-scheduler polynomial_decay")
 
 
 def test_adam_defaults_are_the_papers_and_weight_decay_is_decoupled():

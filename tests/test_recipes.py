@@ -58,13 +58,20 @@ def test_multi30k_recipe_smoke(tmp_path):
         assert "13a" in result["signature"]
     assert_png(out / "training_curves.png")
     assert_png(out / "attention_1.png")
-    # the measured speed decides: the probe's rate, the updates the budget buys, the dropout for that many
-    probe = re.search(r"probe: ([\d.]+) updates/s \((\w+)\) -> about (\d+) updates in 5 minutes; chosen: dropout "
-                      r"([\d.]+)", r.stderr)
+    # the measured speed decides: the probe's rate, the updates the budget buys, the dropout and the schedule for
+    # that many
+    probe = re.search(r"probe: ([\d.]+) updates/s \((\w+)\) -> about (\d+) updates in 5 minutes; chosen: "
+                      r"precision \w+, dropout ([\d.]+), (.*) \(below 3500", r.stderr)
     assert probe, r.stderr
     ups, precision, expected, dropout = float(probe[1]), probe[2], int(probe[3]), float(probe[4])
     assert precision == start["precision"] and abs(expected - ups * 5 * 60) <= 1
-    assert dropout == (0.3 if expected >= 6500 else 0.2) and f"--dropout {dropout}" in r.stderr
+    long_run = expected >= 3500
+    assert dropout == (0.3 if long_run else 0.2) and f"--dropout {dropout}" in r.stderr
+    if long_run:
+        assert probe[5] == f"a linear decay to 0 at update {expected}"
+        assert re.search(rf"lr scheduler: polynomial_decay {{[^}}]*'total_num_update': {expected}}}", r.stderr)
+    else:
+        assert probe[5] == "the inverse square root schedule" and "lr scheduler: inverse_sqrt" in r.stderr
     # the averaging window and the length penalty are chosen on val: every pair tried, the best one used
     rows = [line.split("\t") for line in (out / "val_choice.tsv").read_text().splitlines()[1:]]
     assert [(k, lp) for k, lp, _ in rows] == [(k, lp) for k in ("1", "2", "best2") for lp in ("0.6", "1.0")]
@@ -72,6 +79,17 @@ def test_multi30k_recipe_smoke(tmp_path):
     assert f"chosen on val: average {best[0]}, lenpen {best[1]}" in r.stderr
     val = json.loads((out / "val.bleu.json").read_text())
     assert round(val["score"], 2) == float(best[2])
+
+
+def test_multi30k_recipe_long_budget_decays_the_learning_rate_to_zero(tmp_path):
+    """A budget that buys 3,500 updates or more: dropout 0.3 and the linear decay to 0 at the expected count."""
+    r = run_recipe("multi30k", tmp_path, "multi30k", TRAIN_LINES="300", MAX_UPDATE="0", MAX_TIME_MINUTES="60",
+                   EXTRA_TRAIN_ARGS=TINY + " --max-epoch 1", GEN_ARGS=SHORT, AVG="1")
+    probe = re.search(r"-> about (\d+) updates in 60 minutes; chosen: precision \w+, dropout 0.3, a linear decay to 0 "
+                      r"at update (\d+)", r.stderr)
+    assert probe and probe[1] == probe[2] and int(probe[1]) >= 3500, r.stderr
+    assert f"lr scheduler: polynomial_decay {{'lr': 0.002, 'warmup_updates': 500, 'end_learning_rate': 0.0, " \
+           f"'power': 1.0, 'total_num_update': {probe[1]}}}" in r.stderr
 
 
 def test_multi30k_recipe_reverse_direction(tmp_path):
@@ -89,6 +107,7 @@ def test_multi30k_recipe_reverse_direction(tmp_path):
     ({"SRC": "en", "TGT": "xx"}, "no Multi30k data for language 'xx'; SRC and TGT take: cs de en fr"),
     ({"SRC": "de", "TGT": "de"}, "SRC and TGT are both 'de'"),
     ({"PROFILE": "fast"}, "PROFILE=fast: use auto, long, bf16 or fp32"),
+    ({"SCHEDULE": "cosine"}, "SCHEDULE=cosine: use auto, inverse_sqrt or linear"),
     ({"AVG": "5 ten"}, "AVG=5 ten: give one or more positive whole numbers"),
     ({"LENPEN": "0.6,high"}, "LENPEN=0.6 high: give one or more numbers"),
 ])

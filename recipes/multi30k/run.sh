@@ -13,18 +13,23 @@
 # Configuration: the training settings below were chosen on val (docs/experiments.md, "Multi30k: what was tried").
 # The precision comes from the hardware (bf16 where the CPU computes it natively, fp32 elsewhere); the settings
 # come from the speed measured on this machine: a probe of 60 updates before training gives the updates the time
-# budget buys, and the residual dropout follows from that count: 0.2 for runs of up to ~6,500 updates (still
-# under-fitted at the end), 0.3 for longer ones (which over-fit with 0.2). The probe, the expected updates and the
-# choice are printed. The averaging windows tried on val include the checkpoints around the best validation loss
-# (a run that over-fits late still gets its best stretch), next to the last ones.
+# budget buys, and the settings follow from that count: below ~3,500 updates (still under-fitted at the end)
+# residual dropout 0.2 and the inverse square root schedule; from 3,500 on dropout 0.3 and a learning rate that
+# decays linearly to 0 at the expected count (the run is annealed when the budget ends instead of over-fitting).
+# The probe, the expected updates and the choice are printed. The averaging windows tried on val include the
+# checkpoints around the best validation loss (a run that over-fits late still gets its best stretch), next to the
+# last ones.
 #
 # Knobs (environment variables):
 #   SRC, TGT          language pair                                       [en, de]
 #   DATA_DIR          local copies of the Multi30k .gz files (e.g. ../shared/data/multi30k); empty: download them
 #   WORK              output directory                                    [runs/multi30k_SRC_TGT]
 #   PROFILE           auto (the probe decides), or a fixed choice: long (bf16, dropout 0.3), bf16 (dropout 0.2),
-#                     fp32 (dropout 0.2); amx is long's earlier name                     [auto]
+#                     fp32 (dropout 0.2), all three with the inverse square root schedule; amx is long's earlier
+#                     name                                                                [auto]
 #   DROPOUT           residual dropout, overriding the profile's                          [the profile's]
+#   SCHEDULE          auto (the probe decides), inverse_sqrt, or linear (decay to 0 at MAX_UPDATE, or at the
+#                     probe's expected updates)                                           [auto]
 #   ARCH              named architecture                                  [the profile's]
 #   MAX_TIME_MINUTES  training time budget                                [55]
 #   MAX_UPDATE        stop after this many updates as well (0: no limit)  [0]
@@ -73,7 +78,10 @@ print(resolve_precision('auto', torch.device('cpu')))") ;;
   fp32) PRECISION=fp32; PROFILE_DROPOUT=0.2 ;;
   *) fail "PROFILE=$PROFILE: use auto, long, bf16 or fp32" ;;
 esac
-LONG_RUN_UPDATES=6500  # from this many expected updates on, dropout 0.3 (docs/experiments.md, "Multi30k: what was tried")
+LONG_RUN_UPDATES=3500  # from this many expected updates on, dropout 0.3 and the linear decay (docs/experiments.md,
+                       # "Multi30k: what was tried")
+SCHEDULE=${SCHEDULE:-auto}
+case "$SCHEDULE" in auto|inverse_sqrt|linear) ;; *) fail "SCHEDULE=$SCHEDULE: use auto, inverse_sqrt or linear" ;; esac
 # The profiles share the model and schedule chosen on val; see docs/experiments.md for what each was measured against.
 ARCH=${ARCH:-transformer_small}
 VOCAB=${VOCAB:-8000}
@@ -85,8 +93,9 @@ for k in $AVG; do [[ "$k" =~ ^[1-9][0-9]*$ ]] || fail "AVG=$AVG: give one or mor
 [[ "$AVG_BEST" =~ ^[0-9]+$ ]] || fail "AVG_BEST=$AVG_BEST: give a whole number (0: off)"
 for lp in $LENPEN; do [[ "$lp" =~ ^-?[0-9]+(\.[0-9]+)?$ ]] || fail "LENPEN=$LENPEN: give one or more numbers"; done
 KEEP=$(printf '%s\n' $AVG | sort -n | tail -1)
-BASE_TRAIN_ARGS="--max-tokens 4096 --lr 2e-3 --warmup-updates 500 --warmup-init-lr 1e-7 --label-smoothing 0.1 \
---weight-decay 0.0001"
+BASE_TRAIN_ARGS="--max-tokens 4096 --label-smoothing 0.1 --weight-decay 0.0001"
+INVSQRT_ARGS="--lr 2e-3 --warmup-updates 500 --warmup-init-lr 1e-7"  # peak 2e-3 after 500 updates for both schedules
+LINEAR_ARGS="--lr-scheduler polynomial_decay --lr 2e-3 --warmup-updates 500"
 [ "$TRAIN_LINES" -gt 0 ] && VOCAB=${SMOKE_VOCAB:-500}
 
 # ---- the splits this pair has ----
@@ -114,18 +123,16 @@ TESTPREF=$(printf "$RAW/%s," "${TESTS[@]}"); TESTPREF=${TESTPREF%,}
 attnmt preprocess -s "$SRC" -t "$TGT" --trainpref "$TRAIN" --validpref "$RAW/val" --testpref "$TESTPREF" \
   --destdir "$BIN" --bpe sentencepiece --vocab-size "$VOCAB" --joined-dictionary --workers "$THREADS"
 
-if [ -z "${DROPOUT:-}" ] && [ -n "${PROFILE_DROPOUT:-}" ]; then
-  DROPOUT=$PROFILE_DROPOUT
-  log "3/6 settings: profile $PROFILE (forced): precision $PRECISION, dropout $DROPOUT"
-elif [ -z "${DROPOUT:-}" ]; then
+EXPECTED=$MAX_UPDATE
+if [ "$PROFILE" = auto ] || { [ "$SCHEDULE" = linear ] && [ "$MAX_UPDATE" -eq 0 ]; }; then
   # the probe: 60 updates of the real model on the real data, nothing saved; the rate of its last 40 (the first 20
   # build the kernels of new batch shapes) stands for the whole run
   PROBE=$WORK/probe
   rm -rf "$PROBE"
   # shellcheck disable=SC2086
   attnmt train "$BIN" --arch "$ARCH" --save-dir "$PROBE" --precision "$PRECISION" --threads "$THREADS" \
-    $BASE_TRAIN_ARGS --max-update 60 --no-save --disable-validation --log-interval 20 --progress none --seed 1 \
-    $EXTRA_TRAIN_ARGS 2> "$WORK/probe.log" || { cat "$WORK/probe.log" >&2; fail "the speed probe failed"; }
+    $BASE_TRAIN_ARGS $INVSQRT_ARGS --max-update 60 --no-save --disable-validation --log-interval 20 --progress none \
+    --seed 1 $EXTRA_TRAIN_ARGS 2> "$WORK/probe.log" || { cat "$WORK/probe.log" >&2; fail "the speed probe failed"; }
   read -r UPS EXPECTED < <(python - "$PROBE/train.jsonl" "$MAX_TIME_MINUTES" "$MAX_UPDATE" <<'PY'
 import json, sys
 recs = [json.loads(x) for x in open(sys.argv[1], encoding="utf-8")]
@@ -139,15 +146,27 @@ print(f"{ups:.3f}", expected)
 PY
 )
   rm -rf "$PROBE"
-  DROPOUT=0.2
-  [ "$EXPECTED" -ge "$LONG_RUN_UPDATES" ] && DROPOUT=0.3
   CAP=""; [ "$MAX_UPDATE" -gt 0 ] && CAP=" (at most MAX_UPDATE=$MAX_UPDATE)"
-  log "3/6 probe: $UPS updates/s ($PRECISION) -> about $EXPECTED updates in $MAX_TIME_MINUTES minutes$CAP; chosen: \
-dropout $DROPOUT (0.3 from $LONG_RUN_UPDATES updates on)"
-else
-  log "3/6 settings: precision $PRECISION, dropout $DROPOUT (forced)"
+  PROBED="probe: $UPS updates/s ($PRECISION) -> about $EXPECTED updates in $MAX_TIME_MINUTES minutes$CAP"
 fi
-TRAIN_ARGS="$BASE_TRAIN_ARGS --dropout $DROPOUT"
+LONG=0; [ "$PROFILE" = auto ] && [ "$EXPECTED" -ge "$LONG_RUN_UPDATES" ] && LONG=1
+WHY=""
+if [ -n "${DROPOUT:-}" ]; then WHY=" (DROPOUT, forced)"
+elif [ -n "${PROFILE_DROPOUT:-}" ]; then DROPOUT=$PROFILE_DROPOUT; WHY=" (profile $PROFILE, forced)"
+else DROPOUT=0.2; [ "$LONG" = 1 ] && DROPOUT=0.3; fi
+if [ "$SCHEDULE" = auto ]; then SCHEDULE=inverse_sqrt; [ "$LONG" = 1 ] && SCHEDULE=linear; else WHY="$WHY, SCHEDULE forced"; fi
+if [ "$SCHEDULE" = linear ]; then
+  [ "$EXPECTED" -gt 500 ] || fail "SCHEDULE=linear decays over the run's updates after 500 of warm-up, but only \
+$EXPECTED are expected; give MAX_UPDATE above 500 or use SCHEDULE=inverse_sqrt"
+  TRAIN_ARGS="$BASE_TRAIN_ARGS $LINEAR_ARGS --total-num-update $EXPECTED --dropout $DROPOUT"
+  MAX_UPDATE=$EXPECTED  # the learning rate is 0 from there on
+  SCHEDULE_TEXT="a linear decay to 0 at update $EXPECTED"
+else
+  TRAIN_ARGS="$BASE_TRAIN_ARGS $INVSQRT_ARGS --dropout $DROPOUT"
+  SCHEDULE_TEXT="the inverse square root schedule"
+fi
+log "3/6 ${PROBED:+$PROBED; }chosen: precision $PRECISION, dropout $DROPOUT, $SCHEDULE_TEXT$WHY (below \
+$LONG_RUN_UPDATES expected updates: dropout 0.2, inverse square root; from $LONG_RUN_UPDATES: dropout 0.3, linear decay)"
 BEST_ARGS=""; [ "$AVG_BEST" -gt 0 ] && BEST_ARGS="--keep-best-checkpoints $AVG_BEST"
 log "3/6 train $ARCH for at most $MAX_TIME_MINUTES minutes -> $CKPT: vocabulary $VOCAB, $TRAIN_ARGS; average \
 {last $AVG, best $AVG_BEST}, lenpen {$LENPEN} (chosen on val)"

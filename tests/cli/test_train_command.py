@@ -87,12 +87,28 @@ def _run_cli(*args):
     (["--bf16", "--precision", "fp16"], "--bf16 and --precision fp16 disagree"),
     (["--optimizer", "lamb"], "unknown optimizer 'lamb'; valid choices: adam"),
     (["--best-checkpoint-metric", "bleu"], "--best-checkpoint-metric bleu needs --eval-bleu"),
+    (["--lr-scheduler", "polynomial_decay", "--total-num-update", "5", "--warmup-updates", "10"],
+     "--total-num-update 5 must exceed --warmup-updates 10"),
 ])
 def test_bad_options_are_one_line_errors(tmp_path, extra, message):
     data = make_data_bin(tmp_path / "bin", n_train=16)
     code, err = _run_cli(data, *TINY_MODEL, "--save-dir", tmp_path / "ck", "--max-update", "1", *extra)
     assert code == 1 and len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert err.startswith("attnmt: error: ") and message in err, err
+
+
+def test_polynomial_decay_ends_at_max_update_unless_told(tmp_path, capsys):
+    """fairseq's default: --total-num-update is --max-update; the learning rate reaches 0 at the last update."""
+    data = make_data_bin(tmp_path / "bin", n_train=64)
+    code, err = _run_cli(data, *TINY_MODEL, "--save-dir", tmp_path / "none", "--lr-scheduler", "polynomial_decay")
+    assert code == 1 and err == ("attnmt: error: --lr-scheduler polynomial_decay decays to its end over a known "
+                                 "number of updates: give --total-num-update N or --max-update N"), err
+    ck = tmp_path / "ck"
+    main(["train", str(data), *TINY_MODEL, "--save-dir", str(ck), "--max-tokens", "128", "--max-update", "20",
+          "--lr-scheduler", "polynomial_decay", "--lr", "1e-3", "--warmup-updates", "4", "--log-interval", "4",
+          "--progress", "none", "--no-save"])
+    lrs = {r["num_updates"]: r["lr"] for r in _records(ck, "train")}
+    assert lrs[4] == pytest.approx(1e-3) and lrs[12] == pytest.approx(5e-4) and lrs[20] == 0.0, lrs
 
 
 def test_missing_data_bin_is_a_user_error(tmp_path):
