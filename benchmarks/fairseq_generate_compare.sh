@@ -7,7 +7,8 @@
 #     DATA_BIN   its attnmt data-bin (for spm.model)
 #     SRC_GZ, TGT_GZ  raw test sentences (.gz), the first N (default 1000) are used
 # Prints how many hypotheses (D- lines) and references (T- lines) are identical, the largest difference of the
-# H- scores, and both closing BLEU lines. Run it from an empty directory (a stray module in the working directory
+# H- scores, and both closing BLEU lines. EXTRA="--print-alignment" (or other options) goes to both commands; the
+# A- lines are then compared too. Run it from an empty directory (a stray module in the working directory
 # would shadow the peers' imports).
 set -euo pipefail
 P=$1/bin; M=$2; BIN=$3; SRC=$4; TGT=$5; N=${6:-1000}
@@ -31,8 +32,8 @@ done
 "$P/fairseq-preprocess" -s en -t de --srcdict "$W/fsx/dict.en.txt" --tgtdict "$W/fsx/dict.de.txt" \
   --testpref "$W/test" --destdir "$W/fsbin" --workers 1 > "$W/preprocess.log" 2>&1
 "$P/fairseq-generate" "$W/fsbin" --path "$W/fsx/checkpoint.pt" --gen-subset test --cpu --batch-size 32 \
-  --post-process sentencepiece > "$W/fairseq.out" 2> "$W/fairseq.err"
-attnmt generate "$W/fsbin" --path "$M" --gen-subset test --fairseq --quiet > "$W/attnmt.out"
+  --post-process sentencepiece ${EXTRA:-} > "$W/fairseq.out" 2> "$W/fairseq.err"
+attnmt generate "$W/fsbin" --path "$M" --gen-subset test --fairseq --quiet ${EXTRA:-} > "$W/attnmt.out"
 python3 - "$W/fairseq.out" "$W/attnmt.out" <<'PY'
 import sys
 
@@ -41,9 +42,16 @@ def lines(path, tag, field):
             if ln.startswith(tag + "-")}
 
 fs, at = sys.argv[1:3]
-for tag, field, what in (("D", 2, "hypotheses (D- lines)"), ("T", 1, "references (T- lines)")):
+for tag, field, what in (("D", 2, "hypotheses (D- lines)"), ("T", 1, "references (T- lines)"),
+                         ("A", 1, "alignments (A- lines)")):
     a, b = lines(fs, tag, field), lines(at, tag, field)
-    print(f"{what} identical: {sum(a[k] == b.get(k) for k in a)}/{len(a)}")
+    if a:
+        print(f"{what} identical: {sum(a[k] == b.get(k) for k in a)}/{len(a)}")
+    if tag == "A" and a and "," in next(iter(a.values())):  # soft alignments: how far apart the weights are
+        gap = max(abs(float(x) - float(y)) for k in a for x, y in
+                  zip(a[k].replace(",", " ").split(), b.get(k, "").replace(",", " ").split()))
+        same = sum(len(a[k].split()) == len(b.get(k, "").split()) for k in a)
+        print(f"  soft: the same shape {same}/{len(a)}, largest weight difference {gap:.1e}")
 ha, hb = lines(fs, "H", 1), lines(at, "H", 1)
 print(f"largest H- score difference (base 2): {max(abs(float(ha[k]) - float(hb[k])) for k in ha):.2e}")
 for name, path in (("fairseq-generate", fs), ("attnmt generate --fairseq", at)):

@@ -11,9 +11,9 @@ DROP = "drop the option"
 
 INSTEAD = {
     "--force-anneal": "fairseq's annealing of --lr-scheduler fixed for its convolutional models; attnmt's fixed "
-                      "schedule keeps --lr, use --lr-scheduler inverse_sqrt (the paper's) or " + DROP,
-    "--lr-shrink": "fairseq's shrink factor of --lr-scheduler fixed / reduce_lr_on_plateau; attnmt has fixed and "
-                   "inverse_sqrt only: " + DROP,
+                      "schedule keeps --lr, use --lr-scheduler inverse_sqrt (the paper's), polynomial_decay, or " + DROP,
+    "--lr-shrink": "fairseq's shrink factor of --lr-scheduler fixed / reduce_lr_on_plateau; attnmt has fixed, "
+                   "inverse_sqrt and polynomial_decay: " + DROP,
     "--ddp-backend": "attnmt has one data-parallel implementation (PyTorch's DistributedDataParallel): " + DROP,
     "--num-workers": "attnmt reads the memory-mapped data in the training process, no loader workers: " + DROP,
     "--dataset-impl": "attnmt reads and writes one format, memory-mapped .bin/.idx (fairseq's mmap data-bins are "

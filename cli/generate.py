@@ -15,6 +15,7 @@ import click
 
 from attnmt.config import add_options, given_options
 from attnmt.errors import UserError
+from attnmt.generation.alignment import STYLES
 from attnmt.generation.generator import GenerationConfig
 from attnmt.generation.options import generation_configs, search_option_classes
 from attnmt.generation.search import SearchConfig
@@ -85,6 +86,18 @@ def _binarized_split(bundle, data_bin: str, subset: str, fairseq_refs: bool = Fa
     return sources, refs, texts
 
 
+def _alignments(bundle, generator, source_ids, hyps, style: str) -> list[str]:
+    """The ``A-`` line text of each hypothesis of one sentence (``attnmt.generation.alignment``)."""
+    import torch
+
+    from attnmt.generation.alignment import alignment_line, attention_rows
+
+    with torch.inference_mode(), generator._autocast():
+        rows = attention_rows(bundle.model, list(source_ids), [list(h.tokens) for h in hyps], bundle.symbols.pad,
+                              bundle.symbols.eos, generator.device)
+    return [alignment_line(w, style) for w in rows]
+
+
 @click.command("generate")
 @click.argument("data_bin", required=False, metavar="[DATA_BIN]")
 @click.option("--path", "path", required=True, metavar="CKPT",
@@ -104,10 +117,17 @@ def _binarized_split(bundle, data_bin: str, subset: str, fairseq_refs: bool = Fa
               help="fairseq-generate's defaults and output: beam 5, length normalisation (--lenpen 1 "
                    "--lenpen-style fairseq), --early-stop beam, at most 200 tokens, S-/T-/H-/D-/P- lines and its "
                    "closing BLEU4 line (options given explicitly win).")
+@click.option("--print-alignment", type=click.Choice(STYLES), is_flag=False, flag_value="hard", default=None,
+              help="fairseq's: an A- line after each hypothesis (--format fairseq) from the last decoder layer's "
+                   "attention: hard (default): SRC-TGT, the source token each target token attends to most; soft: "
+                   "every weight.")
+@click.option("--skip-invalid-size-inputs-valid-test", "skip_invalid", is_flag=True,
+              help="fairseq's: leave out sentences longer than the model accepts (named on stderr) instead of "
+                   "refusing them; their lines are missing from the output.")
 @click.option("--quiet", is_flag=True, help="No progress and no summary on stderr.")
 @remove_bpe_option
 def command(data_bin, path, gen_subset, input_path, fmt, output, results_path, source_lang, target_lang,
-            fairseq_mode, quiet, remove_bpe, **params):
+            fairseq_mode, print_alignment, skip_invalid, quiet, remove_bpe, **params):
     """Translate DATA_BIN's --gen-subset, or raw text with --input, with the checkpoint --path.
 
     \b
@@ -130,6 +150,9 @@ def command(data_bin, path, gen_subset, input_path, fmt, output, results_path, s
                 params[name] = value
         if click.get_current_context().get_parameter_source("fmt") != click.core.ParameterSource.COMMANDLINE:
             fmt = "fairseq"
+    if print_alignment is not None and fmt != "fairseq":
+        raise UserError("--print-alignment writes fairseq's A- lines, which only --format fairseq has: add "
+                        "--format fairseq (or --fairseq)")
     search_cfg, gen_cfg = configs(params)
     if input_path is None and data_bin is None:
         raise UserError("nothing to translate: give DATA_BIN (a directory written by attnmt preprocess) or "
@@ -165,22 +188,36 @@ def command(data_bin, path, gen_subset, input_path, fmt, output, results_path, s
             where = f"{data_bin}/{gen_subset}"
             sources, refs, texts = _binarized_split(bundle, data_bin, gen_subset, fairseq_refs=fairseq_mode)
 
-        progress = SentenceProgress(len(sources), "translating", quiet=quiet)
+        keep = list(range(len(sources)))
+        limit = generator.max_source_positions
+        if skip_invalid and limit is not None:
+            keep = [i for i in keep if len(sources[i]) <= limit]
+            skipped = [i for i in range(len(sources)) if len(sources[i]) > limit]
+            if skipped and not quiet:
+                click.echo(f"attnmt generate: {len(skipped)} sentence(s) longer than the model's {limit} source "
+                           f"tokens skipped (--skip-invalid-size-inputs-valid-test), ids "
+                           f"{', '.join(map(str, skipped[:10]))}{' ...' if len(skipped) > 10 else ''}", err=True)
+        progress = SentenceProgress(len(keep), "translating", quiet=quiet)
         sink = atomic_open(output, "w") if output else contextlib.nullcontext(sys.stdout)
         best: list[str] = []
         try:
             with sink as out:
-                for i, hyps in generator.generate(sources, gen_cfg.max_tokens, gen_cfg.batch_size, where=where,
-                                                  progress=progress):
+                for j, hyps in generator.generate([sources[i] for i in keep], gen_cfg.max_tokens,
+                                                  gen_cfg.batch_size, where=where, progress=progress):
+                    i = keep[j]
+                    alignments = None
+                    if print_alignment is not None:
+                        alignments = _alignments(bundle, generator, sources[i], hyps, print_alignment)
                     write_lines(out, format_result(i, hyps, bundle, fmt, source=texts[i],
-                                                   reference=refs[i] if refs is not None else None))
+                                                   reference=refs[i] if refs is not None else None,
+                                                   alignments=alignments))
                     if fairseq_mode:
                         best.append(bundle.detokenize(bundle.target_pieces(hyps[0].tokens)) if hyps else "")
                 if fairseq_mode and refs is not None:
                     from attnmt.scoring import fairseq_generate_bleu
 
                     out.write(f"Generate {gen_subset} with beam={search_cfg.beam}: "
-                              f"{fairseq_generate_bleu(best, refs)}\n")
+                              f"{fairseq_generate_bleu(best, [refs[i] for i in keep])}\n")
                 out.flush()
         finally:
             progress.close()

@@ -271,13 +271,14 @@ LN2 = math.log(2.0)  # fairseq prints log-probabilities in base 2
 
 
 def format_result(index: int, hyps: list[Hypothesis], bundle, fmt: str, source: str | None = None,
-                  reference: str | None = None) -> list[str]:
+                  reference: str | None = None, alignments: list[str] | None = None) -> list[str]:
     """Output lines for one sentence.
 
     ``plain``: the detokenized hypotheses (one line each; one per sentence unless ``--nbest`` > 1).
     ``fairseq``: ``S-i`` source, ``T-i`` reference (when known), then per hypothesis ``H-i score pieces``,
     ``D-i score text`` and ``P-i`` the per-token log-probabilities (final EOS included), in base 2 as fairseq
-    prints them, so that they compare with a fairseq run's lines.
+    prints them, so that they compare with a fairseq run's lines; with ``alignments`` (one per hypothesis,
+    ``attnmt.generation.alignment``) an ``A-i`` line after each hypothesis' ``P-i``.
     """
     lines = []
     if fmt == "fairseq":
@@ -285,7 +286,7 @@ def format_result(index: int, hyps: list[Hypothesis], bundle, fmt: str, source: 
             lines.append(f"S-{index}\t{source}")
         if reference is not None:
             lines.append(f"T-{index}\t{reference}")
-    for h in hyps:
+    for k, h in enumerate(hyps):
         pieces = bundle.target_pieces(h.tokens)
         text = bundle.detokenize(pieces)
         if fmt == "fairseq":
@@ -293,6 +294,8 @@ def format_result(index: int, hyps: list[Hypothesis], bundle, fmt: str, source: 
             lines.append(f"H-{index}\t{score:.6f}\t{bundle.hypothesis_pieces(pieces)}")
             lines.append(f"D-{index}\t{score:.6f}\t{text}")
             lines.append(f"P-{index}\t{' '.join(f'{p / LN2:.4f}' for p in h.positional_scores)}")
+            if alignments is not None:
+                lines.append(f"A-{index}\t{alignments[k]}")
         else:
             lines.append(text)
     if not hyps and fmt != "fairseq":

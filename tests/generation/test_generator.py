@@ -293,6 +293,54 @@ def test_cli_generate_binarized_split(ckpt, tmp_path):
         run_cli(["generate", str(data_bin), "--path", str(ckpt)])
 
 
+def test_cli_generate_print_alignment_hard_and_soft(ckpt, tmp_path):
+    """fairseq's A- lines: soft rows are the head-averaged last-layer attention of each target token (final </s>
+    included) over the source tokens (</s> included); hard pairs are each row's most attended source token, the
+    final </s> of both sides left out (benchmarks/fairseq_generate_compare.sh compares both with fairseq's)."""
+    lines = SENTENCES[:4]
+    data_bin = _data_bin(ckpt, tmp_path, lines, _lines(4, 7))
+    base = ["generate", str(data_bin), "--path", str(ckpt), "--max-len-b", "12", "--format", "fairseq", "--nbest", "2"]
+    hard, _ = run_cli([*base, "--print-alignment"])
+    soft, _ = run_cli([*base, "--print-alignment", "soft"])
+    plain, _ = run_cli(base)
+    strip = [ln for ln in hard.splitlines() if not ln.startswith("A-")]
+    assert strip == plain.splitlines()  # the alignment adds lines, changes none
+    from attnmt.inference import load_for_inference
+
+    bundle = load_for_inference(ckpt)
+    n_src = [len(ids) for ids in bundle.encode_sources(lines)]  # final </s> included
+    tagged = [ln.split("\t") for ln in hard.splitlines()]
+    hard_rows = [(t, f[-1]) for t, f in zip(hard.splitlines(), tagged) if t.startswith("A-")]
+    soft_rows = [ln.split("\t")[1] for ln in soft.splitlines() if ln.startswith("A-")]
+    p_rows = [ln.split("\t")[1].split() for ln in hard.splitlines() if ln.startswith("P-")]
+    assert len(hard_rows) == len(soft_rows) == len(p_rows) == 8  # one per hypothesis, after its P- line
+    assert all(a.startswith("A-") and b.startswith("P-") for a, b in zip(hard.splitlines()[1:], hard.splitlines())
+               if a.startswith("A-"))
+    for (line, pairs), weights, p in zip(hard_rows, soft_rows, p_rows):
+        i = int(line.split("\t")[0][2:])
+        rows = [[float(x) for x in row.split(",")] for row in weights.split()]
+        assert len(rows) == len(p) and all(len(r) == n_src[i] for r in rows)  # T x S, </s> on both sides
+        assert all(abs(sum(r) - 1) < 1e-4 for r in rows)
+        expected = [f"{max(range(n_src[i] - 1), key=lambda s: r[s])}-{t}" for t, r in enumerate(rows[:-1])]
+        assert pairs.split() == expected
+    with pytest.raises(UserError, match="--print-alignment writes fairseq's A- lines, which only --format fairseq"):
+        run_cli(["generate", str(data_bin), "--path", str(ckpt), "--print-alignment"])
+
+
+def test_cli_generate_skip_invalid_size_inputs(ckpt, tmp_path):
+    """fairseq's --skip-invalid-size-inputs-valid-test: an overlong sentence is left out and named, not refused."""
+    long = " ".join(WORDS * 20)
+    lines = [SENTENCES[0], long, SENTENCES[1]]
+    data_bin = _data_bin(ckpt, tmp_path, lines, _lines(3, 7))
+    args = ["generate", str(data_bin), "--path", str(ckpt), "--max-len-b", "12", "--format", "fairseq"]
+    with pytest.raises(UserError, match=r"test:2: the source has \d+ tokens but the model accepts at most 96"):
+        run_cli(args)
+    out, err = run_cli([*args, "--skip-invalid-size-inputs-valid-test", "--fairseq"])
+    assert "1 sentence(s) longer than the model's 96 source tokens skipped" in err and "ids 1" in err
+    assert sorted(ln.split("\t")[0] for ln in out.splitlines() if ln[:2] in ("S-", "D-")) == ["D-0", "D-2", "S-0", "S-2"]
+    assert out.splitlines()[-1].startswith("Generate test with beam=5: BLEU4 = ")
+
+
 @pytest.mark.precision
 def test_cli_options_and_errors(ckpt, tmp_path):
     stdin = "\n".join(SENTENCES[:5]) + "\n"
