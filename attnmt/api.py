@@ -255,18 +255,9 @@ class Translator:
     def score_encoded(self, sources: list[list[int]], targets: list[list[int]]) -> list[list[float]]:
         """Per-token log-probabilities of each target (ids, final </s> included) given its source (ids), in one
         batch."""
-        from attnmt.generation.generator import collate
+        from attnmt.generation.forced import reference_log_probs
 
-        b, g = self.bundle, self.generator
-        eos, pad = b.symbols.eos, b.symbols.pad
-        src, src_lengths = collate(sources, pad, g.device)
-        prev, _ = collate([[eos] + t[:-1] for t in targets], pad, g.device)
-        gold, _ = collate(targets, pad, g.device)
-        with torch.inference_mode(), g._autocast():
-            model = b.model
-            logits = model.decode(prev, model.encode(src, src_lengths))
-            lprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, gold.unsqueeze(-1)).squeeze(-1)
-        return [lprobs[k, : len(t)].tolist() for k, t in enumerate(targets)]
+        return reference_log_probs(self.generator, sources, targets)
 
     # ---------------------------------------------------------------------------------------------- lifetime
 

@@ -27,6 +27,10 @@ INSTEAD = {
     "--lang-pairs": "fairseq's multilingual task, which attnmt does not implement; train one model per pair",
     "--share-decoders": "fairseq's multilingual task, which attnmt does not implement; train one model per pair",
     "--sacrebleu": "attnmt score computes sacreBLEU by default; fairseq's tokenized BLEU is attnmt score --tokenized-bleu",
+    "--replace-unk": "attnmt's subword models (SentencePiece, BPE) leave no unknown words in a translation to "
+                     "replace from the source: " + DROP,
+    "--prefix-size": "attnmt's search does not force the first target tokens from the reference; to score given "
+                     "translations use --score-reference: " + DROP,
     "--task": "attnmt's commands take the task from the data-bin or the checkpoint (translation): " + DROP,
     "--moses-source-lang": "attnmt preprocess --tokenizer moses records the languages; nothing to give at "
                            "translation time",

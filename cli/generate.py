@@ -59,8 +59,8 @@ def fairseq_reference(bundle, ids) -> str:
 
 
 def _binarized_split(bundle, data_bin: str, subset: str, fairseq_refs: bool = False):
-    """(source id lists, reference texts or None, source texts) of split ``subset`` of ``data_bin``;
-    ``fairseq_refs``: the references as fairseq-generate prints them (``fairseq_reference``)."""
+    """(source id lists, reference texts or None, source texts, reference id lists or None) of split ``subset``
+    of ``data_bin``; ``fairseq_refs``: the references as fairseq-generate prints them (``fairseq_reference``)."""
     from attnmt.data.indexed import IndexedDataset, exists, pair_prefix
     from attnmt.inference import check_data_dir
 
@@ -73,17 +73,18 @@ def _binarized_split(bundle, data_bin: str, subset: str, fairseq_refs: bool = Fa
     src_ds = IndexedDataset(f"{prefix}.{src}")
     src_ds.check_ids(len(bundle.src_dict), f"the checkpoint's {src} dictionary")
     sources = [src_ds[i].tolist() for i in range(len(src_ds))]
-    refs = None
+    refs = ref_ids = None
     if exists(f"{prefix}.{tgt}"):
         tgt_ds = IndexedDataset(f"{prefix}.{tgt}")
         if len(tgt_ds) != len(src_ds):
             raise UserError(f"{prefix}.{tgt}.idx: {len(tgt_ds)} sentences but the source has {len(src_ds)}; "
                             f"re-run attnmt preprocess")
         tgt_ds.check_ids(len(bundle.tgt_dict), f"the checkpoint's {tgt} dictionary")
+        ref_ids = [tgt_ds[i].tolist() for i in range(len(tgt_ds))]
         refs = [fairseq_reference(bundle, tgt_ds[i]) if fairseq_refs else
                 bundle.detokenize(bundle.tgt_dict.string(tgt_ds[i])) for i in range(len(tgt_ds))]
     texts = [bundle.src_pipeline.decode(bundle.source_pieces(s)) for s in sources]
-    return sources, refs, texts
+    return sources, refs, texts, ref_ids
 
 
 def _alignments(bundle, generator, source_ids, hyps, style: str) -> list[str]:
@@ -96,6 +97,31 @@ def _alignments(bundle, generator, source_ids, hyps, style: str) -> list[str]:
         rows = attention_rows(bundle.model, list(source_ids), [list(h.tokens) for h in hyps], bundle.symbols.pad,
                               bundle.symbols.eos, generator.device)
     return [alignment_line(w, style) for w in rows]
+
+
+def _scored_references(generator, sources, targets, gen_cfg, progress, where: str):
+    """``(index, [Hypothesis])`` in input order: each reference scored by forced decoding, batched by length as
+    the search batches; the score is the mean log-probability per token (fairseq's SequenceScorer)."""
+    from attnmt.generation.forced import reference_log_probs
+    from attnmt.generation.generator import make_batches
+    from attnmt.generation.search import Hypothesis
+
+    max_tokens = gen_cfg.max_tokens or generator.backend.decoding_max_tokens()
+    sources = [generator._check_length(list(s), i, where) for i, s in enumerate(sources)]
+    lengths = [max(len(s), len(t)) for s, t in zip(sources, targets)]
+    done: dict[int, list[Hypothesis]] = {}
+    for batch in make_batches(lengths, max_tokens, gen_cfg.batch_size):
+        t0 = time.perf_counter()
+        scores = reference_log_probs(generator, [sources[i] for i in batch], [targets[i] for i in batch])
+        generator.stats.seconds += time.perf_counter() - t0
+        for i, lp in zip(batch, scores):
+            done[i] = [Hypothesis(tokens=list(targets[i]), score=sum(lp) / len(lp), positional_scores=lp)]
+        generator.stats.sentences += len(batch)
+        generator.stats.source_tokens += sum(len(sources[i]) for i in batch)
+        generator.stats.target_tokens += sum(len(targets[i]) for i in batch)
+        if progress is not None:
+            progress(len(batch))
+    return ((i, done[i]) for i in range(len(sources)))
 
 
 @click.command("generate")
@@ -124,10 +150,13 @@ def _alignments(bundle, generator, source_ids, hyps, style: str) -> list[str]:
 @click.option("--skip-invalid-size-inputs-valid-test", "skip_invalid", is_flag=True,
               help="fairseq's: leave out sentences longer than the model accepts (named on stderr) instead of "
                    "refusing them; their lines are missing from the output.")
+@click.option("--score-reference", is_flag=True,
+              help="fairseq's: score the references instead of translating: each becomes the hypothesis, with "
+                   "its mean log-probability per token as the score and its per-token log-probabilities.")
 @click.option("--quiet", is_flag=True, help="No progress and no summary on stderr.")
 @remove_bpe_option
 def command(data_bin, path, gen_subset, input_path, fmt, output, results_path, source_lang, target_lang,
-            fairseq_mode, print_alignment, skip_invalid, quiet, remove_bpe, **params):
+            fairseq_mode, print_alignment, skip_invalid, score_reference, quiet, remove_bpe, **params):
     """Translate DATA_BIN's --gen-subset, or raw text with --input, with the checkpoint --path.
 
     \b
@@ -183,10 +212,15 @@ def command(data_bin, path, gen_subset, input_path, fmt, output, results_path, s
         if input_path is not None:
             where = "stdin" if input_path == "-" else input_path
             texts = read_lines(input_path, "input")
-            sources, refs = bundle.encode_sources(texts), None
+            sources, refs, ref_ids = bundle.encode_sources(texts), None, None
         else:
             where = f"{data_bin}/{gen_subset}"
-            sources, refs, texts = _binarized_split(bundle, data_bin, gen_subset, fairseq_refs=fairseq_mode)
+            sources, refs, texts, ref_ids = _binarized_split(bundle, data_bin, gen_subset,
+                                                             fairseq_refs=fairseq_mode)
+        if score_reference and ref_ids is None:
+            raise UserError(f"--score-reference scores the references of a binarized split, and "
+                            f"{'--input has none' if input_path is not None else where + ' has no target side'}; "
+                            f"give a DATA_BIN split binarized with both languages")
 
         keep = list(range(len(sources)))
         limit = generator.max_source_positions
@@ -202,8 +236,13 @@ def command(data_bin, path, gen_subset, input_path, fmt, output, results_path, s
         best: list[str] = []
         try:
             with sink as out:
-                for j, hyps in generator.generate([sources[i] for i in keep], gen_cfg.max_tokens,
-                                                  gen_cfg.batch_size, where=where, progress=progress):
+                if score_reference:
+                    results = _scored_references(generator, [sources[i] for i in keep], [ref_ids[i] for i in keep],
+                                                 gen_cfg, progress, where)
+                else:
+                    results = generator.generate([sources[i] for i in keep], gen_cfg.max_tokens, gen_cfg.batch_size,
+                                                 where=where, progress=progress)
+                for j, hyps in results:
                     i = keep[j]
                     alignments = None
                     if print_alignment is not None:

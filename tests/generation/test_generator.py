@@ -327,6 +327,36 @@ def test_cli_generate_print_alignment_hard_and_soft(ckpt, tmp_path):
         run_cli(["generate", str(data_bin), "--path", str(ckpt), "--print-alignment"])
 
 
+def test_cli_generate_score_reference_equals_the_searchs_own_scores(ckpt, tmp_path):
+    """fairseq's --score-reference: the references become the hypotheses, scored by forced decoding. With the
+    search's own best hypotheses as references, the P- lines are the search's per-token scores (computed step by
+    step there, in one pass here) and H- is their mean (fairseq's SequenceScorer), in base 2."""
+    from attnmt.data.indexed import IndexedDatasetBuilder
+    from attnmt.inference import load_for_inference
+
+    lines = SENTENCES[:5]
+    best = [h[0] for h in library_hypotheses(ckpt, lines)]
+    bundle = load_for_inference(ckpt)
+    d = tmp_path / "data-bin"
+    d.mkdir()
+    bundle.src_dict.save(d / "dict.en.txt")
+    bundle.tgt_dict.save(d / "dict.de.txt")
+    for lang, rows in (("en", bundle.encode_sources(lines)), ("de", [h.tokens for h in best])):
+        with IndexedDatasetBuilder(d / f"test.en-de.{lang}", len(bundle.src_dict)) as b:
+            for ids in rows:
+                b.add(ids)
+    out, _ = run_cli(["generate", str(d), "--path", str(ckpt), "--score-reference", "--format", "fairseq"])
+    rows = {ln.split("\t")[0]: ln.split("\t")[1:] for ln in out.splitlines()}
+    for i, h in enumerate(best):
+        p = [float(x) for x in rows[f"P-{i}"][0].split()]
+        assert p == pytest.approx([x / math.log(2) for x in h.positional_scores], abs=2e-4)
+        assert float(rows[f"H-{i}"][0]) == pytest.approx(sum(p) / len(p), abs=1e-4)
+        assert rows[f"D-{i}"][1] == bundle.detokenize(bundle.target_pieces(h.tokens))
+    with pytest.raises(UserError, match="--score-reference scores the references of a binarized split, and --input "
+                                        "has none"):
+        run_cli(["generate", "--path", str(ckpt), "--input", "-", "--score-reference"], "a dog\n")
+
+
 def test_cli_generate_skip_invalid_size_inputs(ckpt, tmp_path):
     """fairseq's --skip-invalid-size-inputs-valid-test: an overlong sentence is left out and named, not refused."""
     long = " ".join(WORDS * 20)
