@@ -31,6 +31,10 @@ INSTEAD = {
                      "replace from the source: " + DROP,
     "--prefix-size": "attnmt's search does not force the first target tokens from the reference; to score given "
                      "translations use --score-reference: " + DROP,
+    "--min-lr": "fairseq's lower bound at which training stops (--stop-min-lr); attnmt stops at --max-update, "
+                "--max-epoch or --max-time-minutes, and its schedules never fall to 1e-9 before: " + DROP,
+    "--stop-min-lr": "fairseq's lower bound at which training stops; attnmt stops at --max-update, --max-epoch or "
+                     "--max-time-minutes: " + DROP,
     "--task": "attnmt's commands take the task from the data-bin or the checkpoint (translation): " + DROP,
     "--moses-source-lang": "attnmt preprocess --tokenizer moses records the languages; nothing to give at "
                            "translation time",
