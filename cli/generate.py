@@ -30,6 +30,15 @@ def configs(params: dict) -> tuple[SearchConfig, GenerationConfig]:
     return generation_configs(given_options(params))
 
 
+def fairseq_defaults(params: dict) -> None:
+    """fairseq-generate's (and fairseq-interactive's) search defaults, for the options the command line leaves
+    out."""
+    sampling = params.get("sampling") or params.get("search") not in (None, "beam")
+    for name, value in FAIRSEQ_GENERATE.items():
+        if params.get(name) is None and not (sampling and name == "early_stop"):  # early_stop: beam search's
+            params[name] = value
+
+
 def remove_bpe_option(command):
     """fairseq's ``--remove-bpe [SYMBOL]`` (and its newer name ``--post-process``), for generate and translate."""
     return click.option(
@@ -173,10 +182,7 @@ def command(data_bin, path, gen_subset, input_path, fmt, output, results_path, s
 
     start = time.perf_counter()
     if fairseq_mode:
-        sampling = params.get("sampling") or params.get("search") not in (None, "beam")
-        for name, value in FAIRSEQ_GENERATE.items():
-            if params.get(name) is None and not (sampling and name == "early_stop"):  # early_stop: beam search's
-                params[name] = value
+        fairseq_defaults(params)
         if click.get_current_context().get_parameter_source("fmt") != click.core.ParameterSource.COMMANDLINE:
             fmt = "fairseq"
     if print_alignment is not None and fmt != "fairseq":

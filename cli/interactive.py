@@ -61,10 +61,13 @@ def _segmentation(bundle, tokenizer: str | None, bpe: str | None, spm_model: str
               help="For a checkpoint that reads pieces: segment raw input with this subword model.")
 @click.option("--sentencepiece-model", metavar="FILE", help="The SentencePiece model of --bpe sentencepiece.")
 @click.option("--bpe-codes", metavar="FILE", help="The subword-nmt codes of --bpe subword_nmt.")
+@click.option("--fairseq", "fairseq_mode", is_flag=True,
+              help="fairseq-interactive's search defaults: beam 5, length normalisation (--lenpen 1 --lenpen-style "
+                   "fairseq), --early-stop beam, at most 200 tokens (options given explicitly win).")
 @click.option("--quiet", is_flag=True, help="No summary on stderr.")
 @remove_bpe_option
 def command(data_dir, path, input_path, buffer_size, source_lang, target_lang, tokenizer, bpe, sentencepiece_model,
-            bpe_codes, quiet, remove_bpe, **params):
+            bpe_codes, fairseq_mode, quiet, remove_bpe, **params):
     """Translate raw sentences (stdin or --input) to fairseq-interactive's S-/W-/H-/D-/P- lines.
 
     \b
@@ -72,12 +75,14 @@ def command(data_dir, path, input_path, buffer_size, source_lang, target_lang, t
     attnmt interactive data-bin/wmt16_en_de --path model.pt --beam 5 --remove-bpe < input.tok.bpe.en
     """
     from attnmt.backends import configure_process
-    from attnmt.cli.generate import configs
+    from attnmt.cli.generate import configs, fairseq_defaults
     from attnmt.cli.translate import line_batches
     from attnmt.generation.generator import format_result, write_lines
     from attnmt.inference import check_data_dir, load_generator
 
     start = time.perf_counter()
+    if fairseq_mode:
+        fairseq_defaults(params)
     search_cfg, gen_cfg = configs(params)
     configure_process("generate", gen_cfg.device)
     bundle, generator = load_generator(path, search_cfg, gen_cfg)

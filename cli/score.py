@@ -27,8 +27,11 @@ from attnmt.errors import UserError
               help="With --tokenized-bleu: Moses-tokenize both sides and split compounds a-b -> a ##AT##-##AT## b "
                    "(tensor2tensor get_ende_bleu.sh, as for the paper's WMT14 En-De 27.3 / 28.4).")
 @click.option("--lang", default="de", show_default=True, help="Moses tokenizer language for --compound-split.")
+@click.option("--fairseq", "fairseq_mode", is_flag=True,
+              help="fairseq-score's BLEU4 line: BLEU of the whitespace tokens as given, an <unk> of the reference "
+                   "matching nothing (fairseq's scorer, the number fairseq-score prints).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object instead of the score line.")
-def command(ref, sys_path, metric, lowercase, tokenize, tokenized_bleu, compound_split, lang, as_json):
+def command(ref, sys_path, metric, lowercase, tokenize, tokenized_bleu, compound_split, lang, fairseq_mode, as_json):
     """Score SYS against REF with sacreBLEU (13a, cased), or in the tokenized-BLEU compatibility mode.
 
     \b
@@ -49,6 +52,9 @@ def command(ref, sys_path, metric, lowercase, tokenize, tokenized_bleu, compound
     if metric == "chrf" and tokenize is not None:
         raise UserError("--tokenize applies to BLEU only; chrF works on characters")
 
+    if fairseq_mode and (tokenized_bleu or compound_split or metric != "bleu" or tokenize or lowercase or as_json):
+        raise UserError("--fairseq prints fairseq-score's BLEU4 line of the tokens as given; drop --tokenized-bleu, "
+                        "--compound-split, --metric, --tokenize, --lowercase and --json, or drop --fairseq")
     refs = scoring.read_lines(ref, "reference")  # first: a missing reference fails before stdin is awaited
     sys_name = "stdin" if sys_path == "-" else sys_path
     if sys_path == "-" and sys.stdin.isatty():
@@ -56,6 +62,9 @@ def command(ref, sys_path, metric, lowercase, tokenize, tokenized_bleu, compound
     hyps = scoring.parse_system_lines(scoring.read_lines(sys_path, "system output"), sys_name)
     scoring.check_pair(len(hyps), len(refs), sys_name, ref)
 
+    if fairseq_mode:
+        click.echo(scoring.fairseq_generate_bleu(hyps, refs))
+        return
     if tokenized_bleu:
         if compound_split:
             for name, lines in ((ref, refs), (sys_name, hyps)):

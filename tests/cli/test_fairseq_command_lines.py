@@ -150,6 +150,9 @@ def test_generate_pipelines(trained, text, tmp_path):
     (tmp_path / "gen.out.ref").write_text("\n".join(ref_lines) + "\n")
     code, out, err = run(line("score --sys {o}/gen.out.sys --ref {o}/gen.out.ref --tokenized-bleu", o=tmp_path))
     assert code == 0 and "BLEU" in out, err
+    # fairseq-score's line: the same scorer as generate's closing line, on the grepped fields
+    code, out, err = run(line("score --sys {o}/gen.out.sys --ref {o}/gen.out.ref --fairseq", o=tmp_path))
+    assert code == 0 and out.strip() == gen.read_text().splitlines()[-1].split(": ", 1)[1], (out, err)
     for extra in (["--tokenized-bleu", "--compound-split", "--lang", "de"], []):  # S5, S6
         code, out, err = run(line("score --sys {o}/gen.out --ref {o}/gen.out.ref", o=tmp_path) + extra)
         assert code == 0 and "BLEU" in out, err
@@ -191,6 +194,21 @@ def test_lines_refused_with_a_reason(trained, tmp_path, tag, template, message):
     data, _ = trained
     code, _, err = run(line(template, d=data, o=tmp_path / "ck"))
     assert code != 0 and message in err, err
+
+
+def test_interactive_fairseq_mode_translates_as_generate_fairseq(trained, text):
+    """fairseq-interactive's search defaults with --fairseq: the H- lines of generate --fairseq on the same text."""
+    data, ckpt = trained
+    source = (text / "test.en").read_text()
+    code, gen_out, err = run(line("generate {d} --path {c} --fairseq --remove-bpe", d=data, c=ckpt))
+    assert code == 0, err
+    code, inter_out, err = run(line("interactive --path {c} {d} --fairseq --remove-bpe", d=data, c=ckpt), source)
+    assert code == 0, err
+    assert "beam 5" in err and "fairseq" in err.split("search: ", 1)[1]
+
+    def hyps(out):
+        return [ln.split("\t", 1)[1] for ln in out.splitlines() if ln.startswith("H-")]
+    assert hyps(inter_out) == hyps(gen_out) and len(hyps(gen_out)) == 5
 
 
 def test_interactive_line(trained, tmp_path):
