@@ -108,31 +108,6 @@ def _alignments(bundle, generator, source_ids, hyps, style: str) -> list[str]:
     return [alignment_line(w, style) for w in rows]
 
 
-def _scored_references(generator, sources, targets, gen_cfg, progress, where: str):
-    """``(index, [Hypothesis])`` in input order: each reference scored by forced decoding, batched by length as
-    the search batches; the score is the mean log-probability per token (fairseq's SequenceScorer)."""
-    from attnmt.generation.forced import reference_log_probs
-    from attnmt.generation.generator import make_batches
-    from attnmt.generation.search import Hypothesis
-
-    max_tokens = gen_cfg.max_tokens or generator.backend.decoding_max_tokens()
-    sources = [generator._check_length(list(s), i, where) for i, s in enumerate(sources)]
-    lengths = [max(len(s), len(t)) for s, t in zip(sources, targets)]
-    done: dict[int, list[Hypothesis]] = {}
-    for batch in make_batches(lengths, max_tokens, gen_cfg.batch_size):
-        t0 = time.perf_counter()
-        scores = reference_log_probs(generator, [sources[i] for i in batch], [targets[i] for i in batch])
-        generator.stats.seconds += time.perf_counter() - t0
-        for i, lp in zip(batch, scores):
-            done[i] = [Hypothesis(tokens=list(targets[i]), score=sum(lp) / len(lp), positional_scores=lp)]
-        generator.stats.sentences += len(batch)
-        generator.stats.source_tokens += sum(len(sources[i]) for i in batch)
-        generator.stats.target_tokens += sum(len(targets[i]) for i in batch)
-        if progress is not None:
-            progress(len(batch))
-    return ((i, done[i]) for i in range(len(sources)))
-
-
 @click.command("generate")
 @click.argument("data_bin", required=False, metavar="[DATA_BIN]")
 @click.option("--path", "path", required=True, metavar="CKPT",
@@ -229,22 +204,26 @@ def command(data_bin, path, gen_subset, input_path, fmt, output, results_path, s
                             f"give a DATA_BIN split binarized with both languages")
 
         keep = list(range(len(sources)))
-        limit = generator.max_source_positions
-        if skip_invalid and limit is not None:
-            keep = [i for i in keep if len(sources[i]) <= limit]
-            skipped = [i for i in range(len(sources)) if len(sources[i]) > limit]
-            if skipped and not quiet:
-                click.echo(f"attnmt generate: {len(skipped)} sentence(s) longer than the model's {limit} source "
-                           f"tokens skipped (--skip-invalid-size-inputs-valid-test), ids "
-                           f"{', '.join(map(str, skipped[:10]))}{' ...' if len(skipped) > 10 else ''}", err=True)
+        if skip_invalid:
+            src_limit, tgt_limit = bundle.model.max_positions()
+            too_long = [i for i in keep if len(sources[i]) > src_limit
+                        or (score_reference and len(ref_ids[i]) > tgt_limit)]
+            keep = sorted(set(keep) - set(too_long))
+            if too_long and not quiet:
+                click.echo(f"attnmt generate: {len(too_long)} sentence(s) longer than the model accepts ({src_limit} "
+                           f"source{f', {tgt_limit} target' if score_reference else ''} tokens) skipped "
+                           f"(--skip-invalid-size-inputs-valid-test), ids "
+                           f"{', '.join(map(str, too_long[:10]))}{' ...' if len(too_long) > 10 else ''}", err=True)
         progress = SentenceProgress(len(keep), "translating", quiet=quiet)
         sink = atomic_open(output, "w") if output else contextlib.nullcontext(sys.stdout)
         best: list[str] = []
         try:
             with sink as out:
                 if score_reference:
-                    results = _scored_references(generator, [sources[i] for i in keep], [ref_ids[i] for i in keep],
-                                                 gen_cfg, progress, where)
+                    from attnmt.generation.forced import score_references
+
+                    results = score_references(generator, [sources[i] for i in keep], [ref_ids[i] for i in keep],
+                                               gen_cfg.max_tokens, gen_cfg.batch_size, where, progress)
                 else:
                     results = generator.generate([sources[i] for i in keep], gen_cfg.max_tokens, gen_cfg.batch_size,
                                                  where=where, progress=progress)

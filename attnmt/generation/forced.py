@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Iterator
+
 import torch
+
+from attnmt.errors import UserError
 
 
 def reference_log_probs(generator, sources: list[list[int]], targets: list[list[int]]) -> list[list[float]]:
@@ -21,3 +26,35 @@ def reference_log_probs(generator, sources: list[list[int]], targets: list[list[
         logits = model.decode(prev, model.encode(src, src_lengths))
         lprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, gold.unsqueeze(-1)).squeeze(-1)
     return [lprobs[k, : len(t)].tolist() for k, t in enumerate(targets)]
+
+
+def score_references(generator, sources: list[list[int]], targets: list[list[int]], max_tokens: int | None,
+                     batch_size: int | None, where: str, progress: Callable[[int], None] | None = None
+                     ) -> Iterator[tuple[int, list]]:
+    """``(index, [Hypothesis])`` in input order, each target scored given its source, batched by length as the
+    search batches (``max_tokens`` 0: the device's choice). The score is the mean log-probability per token and
+    the positional scores are the per-token ones (fairseq's SequenceScorer)."""
+    from attnmt.generation.generator import make_batches
+    from attnmt.generation.search import Hypothesis
+
+    sources = [generator._check_length(list(s), i, where) for i, s in enumerate(sources)]
+    limit = generator.model.max_positions()[1]
+    for i, t in enumerate(targets):
+        if len(t) > limit:
+            raise UserError(f"{where}:{i + 1}: the reference has {len(t)} tokens but the model accepts at most "
+                            f"{limit}; leave it out with --skip-invalid-size-inputs-valid-test")
+    lengths = [max(len(s), len(t)) for s, t in zip(sources, targets)]
+    done: dict[int, list[Hypothesis]] = {}
+    for batch in make_batches(lengths, max_tokens or generator.backend.decoding_max_tokens(), batch_size):
+        t0 = time.perf_counter()
+        scores = reference_log_probs(generator, [sources[i] for i in batch], [targets[i] for i in batch])
+        stats = generator.stats
+        stats.seconds += time.perf_counter() - t0
+        stats.sentences += len(batch)
+        stats.source_tokens += sum(len(sources[i]) for i in batch)
+        stats.target_tokens += sum(len(targets[i]) for i in batch)
+        for i, lp in zip(batch, scores):
+            done[i] = [Hypothesis(tokens=list(targets[i]), score=sum(lp) / len(lp), positional_scores=lp)]
+        if progress is not None:
+            progress(len(batch))
+    return ((i, done[i]) for i in range(len(sources)))
