@@ -16,8 +16,8 @@ INSTEAD = {
                    "inverse_sqrt and polynomial_decay: " + DROP,
     "--ddp-backend": "attnmt has one data-parallel implementation (PyTorch's DistributedDataParallel): " + DROP,
     "--num-workers": "attnmt reads the memory-mapped data in the training process, no loader workers: " + DROP,
-    "--dataset-impl": "attnmt reads and writes one format, memory-mapped .bin/.idx (fairseq's mmap data-bins are "
-                      "read as they are): " + DROP,
+    "--dataset-impl": "attnmt reads memory-mapped data-bins with either index (its own or fairseq's mmap) as they "
+                      "are; only attnmt preprocess takes --dataset-impl, to choose the index it writes: " + DROP,
     "--fp16-init-scale": "attnmt's --fp16 scales the loss with PyTorch's GradScaler (initial scale 65536): " + DROP,
     "--fp16-scale-window": "attnmt's --fp16 scales the loss with PyTorch's GradScaler: " + DROP,
     "--memory-efficient-fp16": "use --fp16 (or --bf16, which needs no loss scaling)",

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from helpers import TINY_MODEL
 
 from attnmt import checkpoint, registry
 from attnmt.errors import UserError
@@ -197,6 +198,43 @@ def test_fairseq_data_bins_are_read_as_they_are(tmp_path):
         f.truncate(10)
     with pytest.raises(UserError, match="big.bin: 10 bytes is not a whole number of int32 ids"):
         IndexedDataset(tmp_path / "big")
+
+
+@pytest.mark.parametrize("vocab, dtype, code", [(200, np.uint8, 1), (8000, np.uint16, 8), (70000, np.int32, 4)])
+def test_dataset_impl_mmap_writes_fairseqs_index(tmp_path, vocab, dtype, code):
+    """--dataset-impl mmap: the .idx is byte for byte what fairseq's layout says (the writer above), the .bin is
+    unchanged, and attnmt reads it back."""
+    from attnmt.data.indexed import IndexedDataset, IndexedDatasetBuilder
+
+    seqs = [[5, vocab - 1, 2], [7, 2], [], [9, 10, 11, 12, 2]]
+    for fmt in ("attnmt", "mmap"):
+        with IndexedDatasetBuilder(tmp_path / f"{fmt}.en", vocab, index_format=fmt) as b:
+            for s in seqs:
+                b.add(s)
+    _write_fairseq_index(tmp_path / "theirs.en", seqs, dtype=dtype, code=code)
+    assert (tmp_path / "mmap.en.idx").read_bytes() == (tmp_path / "theirs.en.idx").read_bytes()
+    assert (tmp_path / "mmap.en.bin").read_bytes() == (tmp_path / "theirs.en.bin").read_bytes() == \
+        (tmp_path / "attnmt.en.bin").read_bytes()
+    assert [d.tolist() for d in IndexedDataset(tmp_path / "mmap.en")] == seqs
+
+
+def test_preprocess_dataset_impl_mmap_trains_and_refuses_other_formats(tmp_path):
+    text = tmp_path / "text"
+    text.mkdir()
+    for split, n in (("train", 40), ("valid", 4)):
+        for lang in ("en", "de"):
+            (text / f"{split}.{lang}").write_text("".join(f"the {lang} dog {i % 7}\n" for i in range(n)))
+    args = ["preprocess", "-s", "en", "-t", "de", "--trainpref", str(text / "train"), "--validpref",
+            str(text / "valid"), "--joined-dictionary"]
+    code, err = run([*args, "--destdir", str(tmp_path / "bin"), "--dataset-impl", "mmap"])
+    assert code == 0, err
+    for name in ("train.en-de.en", "train.en-de.de", "valid.en-de.en", "valid.en-de.de"):
+        assert (tmp_path / "bin" / f"{name}.idx").read_bytes()[:9] == b"MMIDIDX\x00\x00"
+    code, err = run(["train", str(tmp_path / "bin"), *TINY_MODEL, "--save-dir", str(tmp_path / "ck"),
+                     "--max-update", "2", "--max-tokens", "128", "--progress", "none"])
+    assert code == 0, err
+    code, err = run([*args, "--destdir", str(tmp_path / "lazy"), "--dataset-impl", "lazy"])
+    assert code == 1 and "--dataset-impl lazy: attnmt writes memory-mapped data-bins" in err
 
 
 def test_ensemble_averages_the_members_distributions(trained, tmp_path):

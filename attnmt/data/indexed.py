@@ -21,7 +21,8 @@ vocabulary (``best_dtype``): uint8, uint16 or int32.
 
 fairseq's memory-mapped data-bins (``MMIDIDX`` indexes, fairseq-preprocess's default) are read as they are: the
 same ``.bin`` layout, an index of magic ``b"MMIDIDX\0\0"``, uint64 version 1, uint8 dtype code, uint64 count, int32
-sizes and int64 byte offsets.
+sizes and int64 byte offsets. ``IndexedDatasetBuilder(..., index_format="mmap")`` (``preprocess --dataset-impl
+mmap``) writes that index instead of attnmt's, so that fairseq reads the data-bin too.
 
 So sequence ``i`` is ``bin[offsets[i] : offsets[i] + sizes[i]]``, readable with nothing but numpy::
 
@@ -53,6 +54,8 @@ assert HEADER.size == 32
 
 _DTYPES = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 3: np.dtype("<i4")}
 _CODES = {v: k for k, v in _DTYPES.items()}
+_FAIRSEQ_CODES = {np.dtype("<u1"): 1, np.dtype("<u2"): 8, np.dtype("<i4"): 4}
+INDEX_FORMATS = ("attnmt", "mmap")  # mmap: fairseq-preprocess's MMIDIDX index, which fairseq reads too
 
 
 def best_dtype(vocab_size: int) -> np.dtype:
@@ -106,9 +109,12 @@ class IndexedDatasetBuilder:
 
     FLUSH_IDS = 1 << 20
 
-    def __init__(self, prefix: str | os.PathLike, vocab_size: int):
+    def __init__(self, prefix: str | os.PathLike, vocab_size: int, index_format: str = "attnmt"):
+        if index_format not in INDEX_FORMATS:
+            raise ValueError(f"index format {index_format!r}: one of {', '.join(INDEX_FORMATS)}")
         self.prefix = str(prefix)
         self.vocab_size = int(vocab_size)
+        self.index_format = index_format
         self.dtype = best_dtype(self.vocab_size).newbyteorder("<")
         Path(self.prefix).parent.mkdir(parents=True, exist_ok=True)
         fd, self._tmp_bin = tempfile.mkstemp(prefix=f".{Path(self.prefix).name}.", suffix=".bin.tmp",
@@ -167,10 +173,15 @@ class IndexedDatasetBuilder:
             np.cumsum(sizes[:-1], dtype=np.int64, out=offsets[1:])
         os.replace(self._tmp_bin, bin_path(self.prefix))
         with atomic_open(idx_path(self.prefix), "wb") as f:
-            f.write(HEADER.pack(MAGIC, VERSION, _code(self.dtype), count, self._total))
-            f.write(sizes.tobytes())
-            f.write(b"\0" * (offsets_start(count) - HEADER.size - 4 * count))
-            f.write(offsets.tobytes())
+            if self.index_format == "mmap":  # fairseq's MMIDIDX: byte offsets, no total
+                f.write(FAIRSEQ_HEADER.pack(FAIRSEQ_MAGIC, 1, _FAIRSEQ_CODES[self.dtype], count))
+                f.write(sizes.tobytes())
+                f.write((offsets * self.dtype.itemsize).astype("<i8").tobytes())
+            else:
+                f.write(HEADER.pack(MAGIC, VERSION, _code(self.dtype), count, self._total))
+                f.write(sizes.tobytes())
+                f.write(b"\0" * (offsets_start(count) - HEADER.size - 4 * count))
+                f.write(offsets.tobytes())
         self._done = True
 
     def discard(self) -> None:

@@ -196,7 +196,8 @@ def _build(cfg: PreprocessConfig, splits: list[Split], scans: dict[str, ScanResu
         totals[(job.split, job.lang)] = [t[0] + n, t[1] + toks, t[2] + unks, max(t[3], longest)]
     for s in splits:
         for lang in langs:
-            with IndexedDatasetBuilder(tmp / f"{s.name}.{src}-{tgt}.{lang}", len(dicts[lang])) as b:
+            with IndexedDatasetBuilder(tmp / f"{s.name}.{src}-{tgt}.{lang}", len(dicts[lang]),
+                                       cfg.dataset_impl) as b:
                 for p in parts[s.name]:
                     b.merge(work / f"{s.name}.{lang}.pieces.{p.index:05d}.ds")
     shutil.rmtree(work)

@@ -52,6 +52,9 @@ class PreprocessConfig:
     nwordstgt: int = field(default=-1, metadata={
         "help": "target dictionary size, special symbols included (-1 = all)"})
     padding_factor: int = field(default=8, metadata={"help": "pad dictionary sizes to a multiple of this"})
+    dataset_impl: str = field(default="attnmt", metadata={
+        "help": "index format of the .idx files: attnmt (its own; it also detects a truncated .bin) or mmap "
+                "(fairseq-preprocess's, so that fairseq reads the data-bin too); the .bin files are the same"})
     max_len: int = field(default=1024, metadata={
         "help": "skip training pairs with a side longer than this many tokens (end-of-sentence included)"})
 
@@ -66,6 +69,9 @@ class PreprocessConfig:
         for name in ("workers", "vocab_size", "max_len", "padding_factor"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.dataset_impl not in ("attnmt", "mmap"):
+            raise UserError(f"--dataset-impl {self.dataset_impl}: attnmt writes memory-mapped data-bins, with its "
+                            f"own index (attnmt, the default) or fairseq's (mmap); use one of those")
         if self.bpe_max_sentences < 0:
             raise UserError(f"--bpe-max-sentences must be >= 0 (0 = all), got {self.bpe_max_sentences}")
         if self.spm_model and self.bpe != "sentencepiece":
