@@ -310,3 +310,61 @@ def fairseq_generate_bleu(hyps: Sequence[str], refs: Sequence[str]) -> str:
     return (f"BLEU4 = {r.score:2.2f}, {p[0]:2.1f}/{p[1]:2.1f}/{p[2]:2.1f}/{p[3]:2.1f} (BP={r.bp:.3f}, "
             f"ratio={ratio:.3f}, syslen={r.sys_len}, reflen={r.ref_len})")
 
+
+
+# fairseq-score: fairseq's BLEU scorer on the ids a fresh fairseq Dictionary gives the words
+_FNV_OFFSET, _FNV_PRIME, _U64 = 14695981039346656037, 0x100000001B3, (1 << 64) - 1
+_FAIRSEQ_SPECIALS = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
+
+
+def _fairseq_ngram_hash(ids: Sequence[int]) -> int:
+    """fairseq's libbleu ``bleu_hash``: 64-bit FNV-1a over the ids' little-endian bytes, each byte read as a
+    signed char, so that a byte from 128 on flips the high bits. Different n-grams can share a hash, and then
+    count as a match: fairseq's numbers depend on the words' ids, which ``fairseq_score_bleu`` reproduces."""
+    h = _FNV_OFFSET
+    for i in ids:
+        for shift in (0, 8, 16, 24):
+            b = (i >> shift) & 0xFF
+            h = ((h ^ ((b - 256) & _U64 if b > 127 else b)) * _FNV_PRIME) & _U64
+    return h
+
+
+def fairseq_score_bleu(hyps: Sequence[str], refs: Sequence[str]) -> str:
+    """fairseq-score's line, exactly: each line pair encoded with one growing fairseq Dictionary (system line
+    first; ``<s> <pad> </s> <unk>`` are ids 0-3; ``</s>`` appended), a reference ``<unk>`` matching nothing, the
+    trailing ``</s>``/``<pad>`` ids trimmed, and n-grams matched by fairseq's hash."""
+    check_pair(len(hyps), len(refs))
+    vocab = dict(_FAIRSEQ_SPECIALS)
+
+    def encode(line: str) -> list[int]:
+        ids = [vocab.setdefault(w, len(vocab)) for w in line.split()] + [vocab["</s>"]]
+        while ids and ids[-1] in (1, 2):  # bleu_rtrim: trailing </s> and <pad>
+            ids.pop()
+        while ids and ids[0] == 1:  # bleu_ltrim: leading <pad>
+            ids.pop(0)
+        return ids
+
+    match, count = [0] * MAX_ORDER, [0] * MAX_ORDER
+    sys_len = ref_len = 0
+    for hyp, ref in zip(hyps, refs):
+        h = encode(hyp)
+        r = [-999 if i == 3 else i for i in encode(ref)]
+        sys_len, ref_len = sys_len + len(h), ref_len + len(r)
+        for n in range(1, MAX_ORDER + 1):
+            if len(h) < n:
+                continue
+            count[n - 1] += len(h) - n + 1
+            if len(r) < n:
+                continue
+            seen = Counter(_fairseq_ngram_hash(h[k:k + n]) for k in range(len(h) - n + 1))
+            for k in range(len(r) - n + 1):
+                key = _fairseq_ngram_hash(r[k:k + n])
+                if seen[key] > 0:
+                    match[n - 1] += 1
+                    seen[key] -= 1
+    p = [m / c if c > 0 else 0.0 for m, c in zip(match, count)]
+    bp = min(1.0, math.exp(1 - ref_len / sys_len)) if sys_len else 0.0
+    score = bp * math.exp(sum(math.log(x) for x in p) / MAX_ORDER) * 100 if all(x > 0 for x in p) else 0.0
+    ratio = sys_len / ref_len if ref_len else 0.0
+    return (f"BLEU4 = {score:2.2f}, {100 * p[0]:2.1f}/{100 * p[1]:2.1f}/{100 * p[2]:2.1f}/{100 * p[3]:2.1f} "
+            f"(BP={bp:.3f}, ratio={ratio:.3f}, syslen={sys_len}, reflen={ref_len})")

@@ -63,7 +63,7 @@ def command(ref, sys_path, metric, lowercase, tokenize, tokenized_bleu, compound
     scoring.check_pair(len(hyps), len(refs), sys_name, ref)
 
     if fairseq_mode:
-        click.echo(scoring.fairseq_generate_bleu(hyps, refs))
+        click.echo(scoring.fairseq_score_bleu(hyps, refs))
         return
     if tokenized_bleu:
         if compound_split:

@@ -260,3 +260,17 @@ def test_compound_split_cli_warns_on_tokenized_reference(tmp_path, capsys, monke
                          stdin="Das ist \"gut\".\n")
     assert code == 0
     assert "looks Moses-tokenized already" in err and "tokenized+compound-split" in out
+
+
+def test_fairseq_score_bleu_reproduces_fairseq_scores_hash_collisions():
+    """fairseq-score hashes n-grams of dictionary ids with sign-extended bytes, so 'x y' (ids 125, 126) matches
+    'p q' (ids 141, 142) here; the expected line is fairseq-score 0.12.2's on these two files. Exact n-gram
+    matching (--tokenized-bleu) gives 98.4 bigram precision instead of 100.0."""
+    from attnmt.scoring import fairseq_score_bleu
+
+    filler = " ".join(f"a{i}" for i in range(4, 125))  # ids 4..124 of a fresh fairseq Dictionary
+    hyps = [filler, "x y z"]
+    refs = [filler, " ".join(f"b{i}" for i in range(127, 141)) + " p q z"]
+    assert fairseq_score_bleu(hyps, refs) == ("BLEU4 = 88.78, 98.4/100.0/99.2/100.0 (BP=0.893, ratio=0.899, "
+                                              "syslen=124, reflen=138)")
+    assert scoring.tokenized_bleu(hyps, refs).precisions[1] == pytest.approx(100 * 120 / 122)
