@@ -150,11 +150,12 @@ PY
   PROBED="probe: $UPS updates/s ($PRECISION) -> about $EXPECTED updates in $MAX_TIME_MINUTES minutes$CAP"
 fi
 LONG=0; [ "$PROFILE" = auto ] && [ "$EXPECTED" -ge "$LONG_RUN_UPDATES" ] && LONG=1
-WHY=""
-if [ -n "${DROPOUT:-}" ]; then WHY=" (DROPOUT, forced)"
-elif [ -n "${PROFILE_DROPOUT:-}" ]; then DROPOUT=$PROFILE_DROPOUT; WHY=" (profile $PROFILE, forced)"
+FORCED=()
+if [ -n "${DROPOUT:-}" ]; then FORCED+=("DROPOUT")
+elif [ -n "${PROFILE_DROPOUT:-}" ]; then DROPOUT=$PROFILE_DROPOUT; FORCED+=("PROFILE=$PROFILE")
 else DROPOUT=0.2; [ "$LONG" = 1 ] && DROPOUT=0.3; fi
-if [ "$SCHEDULE" = auto ]; then SCHEDULE=inverse_sqrt; [ "$LONG" = 1 ] && SCHEDULE=linear; else WHY="$WHY, SCHEDULE forced"; fi
+if [ "$SCHEDULE" = auto ]; then SCHEDULE=inverse_sqrt; [ "$LONG" = 1 ] && SCHEDULE=linear; else FORCED+=("SCHEDULE"); fi
+WHY=""; [ "${#FORCED[@]}" -gt 0 ] && WHY=" (forced: ${FORCED[*]})"
 if [ "$SCHEDULE" = linear ]; then
   [ "$EXPECTED" -gt 500 ] || fail "SCHEDULE=linear decays over the run's updates after 500 of warm-up, but only \
 $EXPECTED are expected; give MAX_UPDATE above 500 or use SCHEDULE=inverse_sqrt"
