@@ -206,14 +206,11 @@ class Translator:
         return best
 
     def _alignment(self, source_ids: list[int], target_ids: list[int]) -> Alignment:
-        from attnmt.generation.generator import collate
-        from attnmt.models.attention_maps import attention_maps_of
+        from attnmt.generation.alignment import attention_rows
 
         b, g = self.bundle, self.generator
-        src, lengths = collate([source_ids], b.symbols.pad, g.device)
-        prev, _ = collate([[b.symbols.eos] + target_ids[:-1]], b.symbols.pad, g.device)
-        with torch.inference_mode(), g._autocast():
-            weights = attention_maps_of(b.model)(src, lengths, prev)[0][-1].float().mean(0).cpu()  # (T, S)
+        with torch.inference_mode(), g.autocast():
+            weights = attention_rows(b.model, source_ids, [target_ids], b.symbols.pad, b.symbols.eos, g.device)[0]
         return Alignment(source_tokens=[b.src_dict[i] for i in source_ids],
                          target_tokens=[b.tgt_dict[i] for i in target_ids],
                          weights=[[round(float(w), 6) for w in row] for row in weights])

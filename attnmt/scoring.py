@@ -305,10 +305,15 @@ def fairseq_generate_bleu(hyps: Sequence[str], refs: Sequence[str]) -> str:
     unmatched = (" ".join(f"<unk:{i}:{k}>" if w == "<unk>" else w for k, w in enumerate(r.split()))
                  for i, r in enumerate(refs))
     r = tokenized_bleu(hyps, list(unmatched))
-    ratio = r.sys_len / r.ref_len if r.ref_len else 0.0
-    p = r.precisions
-    return (f"BLEU4 = {r.score:2.2f}, {p[0]:2.1f}/{p[1]:2.1f}/{p[2]:2.1f}/{p[3]:2.1f} (BP={r.bp:.3f}, "
-            f"ratio={ratio:.3f}, syslen={r.sys_len}, reflen={r.ref_len})")
+    return bleu4_line(r.score, r.precisions, r.bp, r.sys_len, r.ref_len)
+
+
+def bleu4_line(score: float, precisions: Sequence[float], bp: float, sys_len: int, ref_len: int) -> str:
+    """fairseq's ``BLEU4 = ...`` line (``precisions`` in percent), as fairseq-generate and fairseq-score print it."""
+    p = precisions
+    ratio = sys_len / ref_len if ref_len else 0.0
+    return (f"BLEU4 = {score:2.2f}, {p[0]:2.1f}/{p[1]:2.1f}/{p[2]:2.1f}/{p[3]:2.1f} (BP={bp:.3f}, "
+            f"ratio={ratio:.3f}, syslen={sys_len}, reflen={ref_len})")
 
 
 
@@ -365,6 +370,4 @@ def fairseq_score_bleu(hyps: Sequence[str], refs: Sequence[str]) -> str:
     p = [m / c if c > 0 else 0.0 for m, c in zip(match, count)]
     bp = min(1.0, math.exp(1 - ref_len / sys_len)) if sys_len else 0.0
     score = bp * math.exp(sum(math.log(x) for x in p) / MAX_ORDER) * 100 if all(x > 0 for x in p) else 0.0
-    ratio = sys_len / ref_len if ref_len else 0.0
-    return (f"BLEU4 = {score:2.2f}, {100 * p[0]:2.1f}/{100 * p[1]:2.1f}/{100 * p[2]:2.1f}/{100 * p[3]:2.1f} "
-            f"(BP={bp:.3f}, ratio={ratio:.3f}, syslen={sys_len}, reflen={ref_len})")
+    return bleu4_line(score, [100 * x for x in p], bp, sys_len, ref_len)

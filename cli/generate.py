@@ -102,7 +102,7 @@ def _alignments(bundle, generator, source_ids, hyps, style: str) -> list[str]:
 
     from attnmt.generation.alignment import alignment_line, attention_rows
 
-    with torch.inference_mode(), generator._autocast():
+    with torch.inference_mode(), generator.autocast():
         rows = attention_rows(bundle.model, list(source_ids), [list(h.tokens) for h in hyps], bundle.symbols.pad,
                               bundle.symbols.eos, generator.device)
     return [alignment_line(w, style) for w in rows]

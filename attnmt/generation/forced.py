@@ -21,7 +21,7 @@ def reference_log_probs(generator, sources: list[list[int]], targets: list[list[
     src, src_lengths = collate(sources, pad, generator.device)
     prev, _ = collate([[eos] + list(t[:-1]) for t in targets], pad, generator.device)
     gold, _ = collate(targets, pad, generator.device)
-    with torch.inference_mode(), generator._autocast():
+    with torch.inference_mode(), generator.autocast():
         model = generator.model
         logits = model.decode(prev, model.encode(src, src_lengths))
         lprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, gold.unsqueeze(-1)).squeeze(-1)
@@ -37,7 +37,7 @@ def score_references(generator, sources: list[list[int]], targets: list[list[int
     from attnmt.generation.generator import make_batches
     from attnmt.generation.search import Hypothesis
 
-    sources = [generator._check_length(list(s), i, where) for i, s in enumerate(sources)]
+    sources = [generator.check_length(list(s), i, where) for i, s in enumerate(sources)]
     limit = generator.model.max_positions()[1]
     for i, t in enumerate(targets):
         if len(t) > limit:

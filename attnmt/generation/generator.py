@@ -194,14 +194,16 @@ class Generator:
             self.pool.close()
             self.pool = None
 
-    def _autocast(self):
+    def autocast(self):
         """bf16 autocast for a float32 model (e.g. validation during training); a model already cast to bfloat16
         for inference (``load_generator``) runs as it is."""
         if next(self.model.parameters()).dtype == self.backend.autocast_dtype:
             return contextlib.nullcontext()
         return self.backend.autocast()
 
-    def _check_length(self, ids: list[int], index: int, where: str) -> list[int]:
+    def check_length(self, ids: list[int], index: int, where: str) -> list[int]:
+        """``ids`` within the model's source limit: cut with ``truncate_source``, else a ``UserError`` naming
+        ``where`` and the 0-based ``index``'s line."""
         limit = self.max_source_positions
         if limit is None or len(ids) <= limit:
             return ids
@@ -214,7 +216,7 @@ class Generator:
         """Hypotheses for one batch of sources (each a list of ids with its final EOS), in the given order."""
         tokens, lengths = collate(sources, self.symbols.pad, self.device)
         sample_ids = torch.as_tensor(list(ids), dtype=torch.long, device=self.device)
-        with torch.inference_mode(), self._autocast(), _gc_paused():
+        with torch.inference_mode(), self.autocast(), _gc_paused():
             return search(self.model, tokens, lengths, self.search_cfg, self.symbols, sample_ids,
                           kernels=self.backend.decoding_kernels())
 
@@ -246,7 +248,7 @@ class Generator:
         """
         if max_tokens == 0:
             max_tokens = self.backend.decoding_max_tokens()
-        checked = [self._check_length(list(map(int, s)), first_id + i, where) for i, s in enumerate(sources)]
+        checked = [self.check_length(list(map(int, s)), first_id + i, where) for i, s in enumerate(sources)]
         workers = len(self.pool) if self.pool is not None else 1
         batches = make_batches([len(s) for s in checked], max_tokens, batch_size, workers)
         pending: dict[int, list[Hypothesis]] = {}
