@@ -1,6 +1,6 @@
 """The measurements behind the CPU backend's kernel choices, on this machine (medians of repeated runs, in ms).
 
-    python benchmarks/kernel_choices.py [--threads 2] [--only linear,attention,cache,int8,quantize,blockmax]
+    python benchmarks/kernel_choices.py [--threads 2] [--only linear,steplinear,attention,cache,int8,quantize,blockmax]
 
 * linear:    nn.Linear + ReLU against oneDNN's inner product with bias and ReLU fused, with the weight packed
              once (PackedLinear) and not; fp32, and bf16 where the CPU runs it natively (backends/onednn.py,
@@ -8,6 +8,9 @@
 * attention: the plain matmul-softmax-matmul against SDPA's fused kernel, causal, forward + backward, 4096
              tokens per batch, by sequence length (backends/cpu.py PLAIN_ATTENTION_MAX_LEN).
 * cache:     one decoder step's attention over a beam cache: the plain form against SDPA (models/incremental.py).
+* steplinear: a decoding step's fp32 products by row count (sentences x beam): oneDNN with the weight packed
+             once (PackedLinear, what fp32 decoding runs where capabilities.onednn_fp32) against nn.Linear (MKL),
+             on transformer_small's shapes (backends/onednn.py PackedLinear).
 * int8:      a decoding step's products with int8 weights and activations quantized on the fly (oneDNN, bf16
              out; the quantization included) against the bf16 packed product, by shape (backends/onednn.py
              Int8PackedLinear, INT8_MIN_ROWS); where the CPU has native bf16 and int8.
@@ -56,6 +59,26 @@ def linear(native_bf16: bool) -> None:
             pk = timed(lambda x=x, packed=packed: packed(x, relu=True))
         print(f"linear {str(dtype)[6:]:8s} ({m}x{k})x({k}x{n}) + relu: nn.Linear {plain:.2f} ms, oneDNN fused "
               f"{fused:.2f} ms, packed weight {pk:.2f} ms")
+
+
+def step_linear() -> None:
+    from attnmt.backends.onednn import PackedLinear
+
+    # (in, out) of transformer_small's decoding step: fused query/key/value, the square projections (self-attention
+    # output, cross-attention query and output), the feed-forward in and out, the output projection (8k pieces)
+    shapes = ((256, 768), (256, 256), (256, 1024), (1024, 256), (256, 7800))
+    print("step products, fp32, microseconds packed / nn.Linear, by rows: " +
+          ", ".join(f"{k}x{n}" for k, n in shapes))
+    for m in (4, 16, 64, 128, 256, 512):
+        row = []
+        for k, n in shapes:
+            x, lin = torch.randn(m, k), torch.nn.Linear(k, n)
+            packed = PackedLinear(lin)
+            with torch.no_grad():
+                t_packed = timed(lambda x=x, packed=packed: packed(x), repeat=50, warmup=10)
+                t_mkl = timed(lambda x=x, lin=lin: lin(x), repeat=50, warmup=10)
+            row.append(f"{t_packed * 1e3:6.0f} / {t_mkl * 1e3:6.0f}")
+        print(f"  {m:4d} rows: " + ", ".join(row))
 
 
 def int8() -> None:
@@ -151,7 +174,7 @@ def blockmax() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--only", default="linear,attention,cache,int8,quantize,blockmax")
+    ap.add_argument("--only", default="linear,steplinear,attention,cache,int8,quantize,blockmax")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -163,6 +186,8 @@ def main() -> None:
     only = set(args.only.split(","))
     if "linear" in only:
         linear(caps.native_bf16)
+    if "steplinear" in only:
+        step_linear()
     if "attention" in only:
         attention(dtype)
     if "cache" in only:
