@@ -8,8 +8,11 @@ for ``--seconds`` (after a short warm-up): each sends the input's sentences in t
 ``/translate`` over a kept-alive connection and waits for the answer. Prints sentences/s, latency percentiles and
 failed requests per level, next to ``attnmt translate``'s rate on the same sentences and options (the marginal
 rate: the whole file minus a one-line run, so that loading the model is not counted; measured before and after
-the service, as the machine's speed drifts). ``--malformed N`` sends N
-malformed requests of many kinds from extra clients during the last level and counts their 4xx answers.
+the service, as the machine's speed drifts). ``--rounds R`` repeats the levels R times with translate measured
+between rounds, each level of a round compared with the translate runs just before and after it, and reports
+per level the median of the rounds (and every round's ratio): the drift of a shared machine then moves both sides
+of a ratio alike. ``--malformed N`` sends N malformed requests of many kinds from extra clients during the last
+level of the last round and counts their 4xx answers.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import http.client
 import json
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -139,6 +143,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--warmup", type=float, default=3.0)
     ap.add_argument("--malformed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=1, help="repeat the levels, translate measured between rounds")
     ap.add_argument("--serve-args", default="", help="options for attnmt serve only, e.g. '--batch-wait-ms 20'")
     ap.add_argument("--json", help="write the results here as well")
     args, options = ap.parse_known_args()
@@ -147,80 +152,98 @@ def main() -> None:
     with opener(args.input, "rt", encoding="utf-8") as f:
         sentences = [s.strip() for s in f if s.strip()]
 
-    # the machine's speed drifts between runs: translate is measured before and after the service, and its mean
-    # is the yardstick
-    base_before, search_only = translate_rate(args.path, sentences, options)
-    print(f"attnmt translate: {base_before:.1f} sentences/s ({len(sentences)} sentences, loading excluded; "
-          f"{search_only:.1f} in its own search-time count)", flush=True)
+    # the machine's speed drifts between minutes: translate is measured before the first round, between rounds and
+    # after the last; each round's levels are compared with the mean of the runs just before and after them
+    yard = [translate_rate(args.path, sentences, options)[0]]
+    print(f"attnmt translate: {yard[0]:.1f} sentences/s ({len(sentences)} sentences, loading excluded)", flush=True)
     proc, host, port = start_service(args.path, options + args.serve_args.split())
-    rows = []
+    levels = [int(c) for c in args.clients.split(",")]
+    rows: list[dict] = []
+    alive, code = False, None
     try:
-        levels = [int(c) for c in args.clients.split(",")]
         def stats() -> dict:
             conn = http.client.HTTPConnection(host, port, timeout=30)
             conn.request("GET", "/metrics?format=json")
             return json.loads(conn.getresponse().read())
 
-        for n in levels:
-            before = stats()
-            t0 = time.perf_counter()
-            count_from, stop_at = t0 + args.warmup, t0 + args.warmup + args.seconds
-            clients = [Client(host, port, sentences, k * len(sentences) // n, stop_at, count_from) for k in range(n)]
-            bad = []
-            if args.malformed and n == levels[-1]:
-                bad = [Malformed(host, port, args.malformed // 4 + (k < args.malformed % 4), k * 5) for k in range(4)]
-            for c in clients + bad:
-                c.start()
-            for c in clients + bad:
-                c.join()
-            after = stats()
-            wall = time.perf_counter() - t0
-            batches = max(1, after["batches"] - before["batches"])
-            busy = after["decoding_busy_seconds"] - before["decoding_busy_seconds"]
-            lat = [x for c in clients for x in c.latencies]
-            done = sum(c.done for c in clients)
-            row = {"clients": n, "sentences_per_s": done / args.seconds,
-                   "p50_ms": 1000 * percentile(lat, 0.5), "p95_ms": 1000 * percentile(lat, 0.95),
-                   "p99_ms": 1000 * percentile(lat, 0.99), "failed": sum(c.failed for c in clients),
-                   "mean_batch": (after["sentences"] - before["sentences"]) / batches, "decoder_busy": busy / wall}
-            if bad:
-                status: dict[int, int] = {}
-                for b in bad:
-                    for k, v in b.status.items():
-                        status[k] = status.get(k, 0) + v
-                row["malformed"] = args.malformed
-                row["malformed_4xx"] = sum(v for k, v in status.items() if 400 <= k < 500)
-                row["malformed_status"] = dict(sorted(status.items()))
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        for rnd in range(args.rounds):
+            for n in levels:
+                malformed = args.malformed if (rnd == args.rounds - 1 and n == levels[-1]) else 0
+                row = run_level(host, port, sentences, n, args.warmup, args.seconds, malformed, stats)
+                row["round"] = rnd
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            if rnd < args.rounds - 1:
+                yard.append(translate_rate(args.path, sentences, options)[0])
+                print(f"attnmt translate: {yard[-1]:.1f} sentences/s", flush=True)
         conn = http.client.HTTPConnection(host, port, timeout=30)
         conn.request("GET", "/health")
         alive = conn.getresponse().status == 200
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(60)
-    base_after, _ = translate_rate(args.path, sentences, options)
-    base = (base_before + base_after) / 2
+    yard.append(translate_rate(args.path, sentences, options)[0])
+    print(f"attnmt translate: {yard[-1]:.1f} sentences/s", flush=True)
     for r in rows:
-        r["vs_translate"] = r["sentences_per_s"] / base
-    print(f"attnmt translate again: {base_after:.1f} sentences/s; the yardstick: their mean, {base:.1f}")
+        r["translate"] = (yard[r["round"]] + yard[r["round"] + 1]) / 2
+        r["vs_translate"] = r["sentences_per_s"] / r["translate"]
     print(f"\nservice alive at the end: {alive}; exit code after SIGTERM: {code}\n")
     print("| clients | sentences/s | vs `attnmt translate` | p50 ms | p95 ms | p99 ms | failed | sentences per "
           "decoding call | decoder busy |")
     print("|---|---|---|---|---|---|---|---|---|")
-    print(f"| `attnmt translate` (before {base_before:.1f}, after {base_after:.1f}) | {base:.1f} | 1.00 | | | | | | "
-          f"|")
-    for r in rows:
-        print(f"| {r['clients']} | {r['sentences_per_s']:.1f} | {r['vs_translate']:.2f} | {r['p50_ms']:.0f} | "
-              f"{r['p95_ms']:.0f} | {r['p99_ms']:.0f} | {r['failed']} | {r['mean_batch']:.1f} | "
-              f"{100 * r['decoder_busy']:.0f}% |")
+    print(f"| `attnmt translate` ({', '.join(f'{y:.1f}' for y in yard)}) | {statistics.median(yard):.1f} | 1.00 "
+          f"| | | | | | |")
+    for n in levels:
+        rs = [r for r in rows if r["clients"] == n]
+        med = {k: statistics.median(r[k] for r in rs) for k in ("sentences_per_s", "vs_translate", "p50_ms",
+                                                                 "p95_ms", "p99_ms", "mean_batch", "decoder_busy")}
+        each = ", ".join(f"{r['vs_translate']:.2f}" for r in rs)
+        ratios = "" if len(rs) == 1 else f" ({each})"
+        print(f"| {n} | {med['sentences_per_s']:.1f} | {med['vs_translate']:.2f}{ratios} | {med['p50_ms']:.0f} | "
+              f"{med['p95_ms']:.0f} | {med['p99_ms']:.0f} | {sum(r['failed'] for r in rs)} | "
+              f"{med['mean_batch']:.1f} | {100 * med['decoder_busy']:.0f}% |")
+    if len(rows) > len(levels):
+        print("\n(medians over the rounds; the ratios in brackets are each round's, against the translate runs just "
+              "before and after it; failed: summed)")
     for r in rows:
         if "malformed" in r:
             print(f"\nmalformed requests during the {r['clients']}-client run: {r['malformed_4xx']}/{r['malformed']} "
                   f"answered 4xx (by status: {r['malformed_status']})")
     if args.json:
-        Path(args.json).write_text(json.dumps({"translate": [base_before, base_after], "rows": rows, "alive": alive,
-                                               "exit": code}, indent=1))
+        Path(args.json).write_text(json.dumps({"translate": yard, "rows": rows, "alive": alive, "exit": code},
+                                              indent=1))
+
+
+def run_level(host: str, port: int, sentences: list[str], n: int, warmup: float, seconds: float, malformed: int,
+              stats) -> dict:
+    """``n`` clients for ``warmup`` + ``seconds`` (and ``malformed`` bad requests from 4 more): the level's row."""
+    before = stats()
+    t0 = time.perf_counter()
+    count_from, stop_at = t0 + warmup, t0 + warmup + seconds
+    clients = [Client(host, port, sentences, k * len(sentences) // n, stop_at, count_from) for k in range(n)]
+    bad = [Malformed(host, port, malformed // 4 + (k < malformed % 4), k * 5) for k in range(4)] if malformed else []
+    for c in clients + bad:
+        c.start()
+    for c in clients + bad:
+        c.join()
+    after = stats()
+    wall = time.perf_counter() - t0
+    batches = max(1, after["batches"] - before["batches"])
+    busy = after["decoding_busy_seconds"] - before["decoding_busy_seconds"]
+    lat = [x for c in clients for x in c.latencies]
+    row = {"clients": n, "sentences_per_s": sum(c.done for c in clients) / seconds,
+           "p50_ms": 1000 * percentile(lat, 0.5), "p95_ms": 1000 * percentile(lat, 0.95),
+           "p99_ms": 1000 * percentile(lat, 0.99), "failed": sum(c.failed for c in clients),
+           "mean_batch": (after["sentences"] - before["sentences"]) / batches, "decoder_busy": busy / wall}
+    if bad:
+        status: dict[int, int] = {}
+        for b in bad:
+            for k, v in b.status.items():
+                status[k] = status.get(k, 0) + v
+        row["malformed"] = malformed
+        row["malformed_4xx"] = sum(v for k, v in status.items() if 400 <= k < 500)
+        row["malformed_status"] = dict(sorted(status.items()))
+    return row
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 """``attnmt translate``: raw sentences on stdin -> translations on stdout, in order, as they come.
 
 Each batch takes the lines already waiting on stdin (up to ``--buffer-size``) but never waits for more: typed or
-piped one at a time, every line is answered at once; a whole file piped in is translated in full batches.
+piped one at a time, every line is answered at once; a whole file piped in is read ahead a buffer at a time, and
+each buffer is sorted by length and cut into ``--max-tokens`` search batches (as CTranslate2's ``read_batch_size``
+and Marian's ``--maxi-batch`` do), so that a file's batches are large and of even length: few search steps are
+spent on a batch's last long sentences.
 """
 
 from __future__ import annotations
@@ -82,8 +85,9 @@ def line_batches(stream, limit: int, name: str = "stdin") -> Iterator[list[str]]
 @click.command("translate")
 @click.option("--path", "path", required=True, metavar="CKPT",
               help="Checkpoint to translate with (or a directory holding model.pt); a.pt:b.pt: an ensemble.")
-@click.option("--buffer-size", type=click.IntRange(min=1), default=64, show_default=True,
-              help="Most lines translated together (only lines already waiting on stdin are batched).")
+@click.option("--buffer-size", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="Most lines read ahead and translated together, sorted by length into --max-tokens batches "
+                   "(only lines already waiting on stdin are taken; the output keeps the input's order).")
 @click.option("--format", "fmt", type=click.Choice(["plain", "fairseq"]), default="plain", show_default=True,
               help="plain: one translation per line; fairseq: S-/H-/D-/P- lines.")
 @click.option("--quiet", is_flag=True, help="No summary on stderr.")

@@ -12,9 +12,9 @@ class ServeConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "Address to listen on (0.0.0.0: every interface)."})
     port: int = field(default=5000, metadata={"min": 0, "max": 65535,
                                               "help": "Port to listen on (0: a free one, printed at start)."})
-    max_batch: int = field(default=64, metadata={
-        "min": 1, "help": "Most sentences of concurrent requests translated together (as translate's "
-                          "--buffer-size); --max-tokens still cuts them into search batches."})
+    max_batch: int = field(default=256, metadata={
+        "min": 1, "help": "Most sentences of concurrent requests translated together; --max-tokens still cuts "
+                          "them into search batches."})
     batch_wait_ms: float = field(default=5.0, metadata={
         "min": 0, "help": "How long the first waiting sentence waits for others to join its batch."})
     return_wait_ms: float = field(default=50.0, metadata={
