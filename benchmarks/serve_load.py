@@ -121,18 +121,18 @@ class Malformed(threading.Thread):
                 conn = http.client.HTTPConnection(self.host, self.port, timeout=120)
 
 
-def translate_rate(path: str, sentences: list[str], options: list[str]) -> tuple[float, float]:
-    """``attnmt translate``'s marginal sentences/s over the whole input, and its search-only rate."""
-    def run(lines: list[str]) -> tuple[float, str]:
-        t0 = time.perf_counter()
-        r = subprocess.run([sys.executable, "-m", "attnmt.cli", "translate", "--path", path, *options],
-                           input="\n".join(lines) + "\n", capture_output=True, text=True, check=True)
-        return time.perf_counter() - t0, r.stderr
+def translate_seconds(path: str, lines: list[str], options: list[str]) -> float:
+    """Wall seconds of one ``attnmt translate`` process over ``lines``."""
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "attnmt.cli", "translate", "--path", path, *options],
+                   input="\n".join(lines) + "\n", capture_output=True, text=True, check=True)
+    return time.perf_counter() - t0
 
-    one, _ = run(sentences[:1])
-    whole, log = run(sentences)
-    m = re.search(r"([\d.]+) sentences/s", log)
-    return (len(sentences) - 1) / (whole - one), float(m.group(1)) if m else float("nan")
+
+def translate_rate(path: str, sentences: list[str], options: list[str]) -> float:
+    """``attnmt translate``'s marginal sentences/s over the whole input (a one-line run subtracted: no loading)."""
+    one = translate_seconds(path, sentences[:1], options)
+    return (len(sentences) - 1) / (translate_seconds(path, sentences, options) - one)
 
 
 def main() -> None:
@@ -154,7 +154,8 @@ def main() -> None:
 
     # the machine's speed drifts between minutes: translate is measured before the first round, between rounds and
     # after the last; each round's levels are compared with the mean of the runs just before and after them
-    yard = [translate_rate(args.path, sentences, options)[0]]
+    translate_seconds(args.path, sentences[:1], options)  # warm-up: the first process starts cold (caches)
+    yard = [translate_rate(args.path, sentences, options)]
     print(f"attnmt translate: {yard[0]:.1f} sentences/s ({len(sentences)} sentences, loading excluded)", flush=True)
     proc, host, port = start_service(args.path, options + args.serve_args.split())
     levels = [int(c) for c in args.clients.split(",")]
@@ -174,7 +175,7 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             if rnd < args.rounds - 1:
-                yard.append(translate_rate(args.path, sentences, options)[0])
+                yard.append(translate_rate(args.path, sentences, options))
                 print(f"attnmt translate: {yard[-1]:.1f} sentences/s", flush=True)
         conn = http.client.HTTPConnection(host, port, timeout=30)
         conn.request("GET", "/health")
@@ -182,7 +183,7 @@ def main() -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(60)
-    yard.append(translate_rate(args.path, sentences, options)[0])
+    yard.append(translate_rate(args.path, sentences, options))
     print(f"attnmt translate: {yard[-1]:.1f} sentences/s", flush=True)
     for r in rows:
         r["translate"] = (yard[r["round"]] + yard[r["round"] + 1]) / 2
