@@ -152,6 +152,32 @@ class Translator:
                 out[i] = self._result(sources[i], hyps, generator.search_cfg, details or alignment, alignment)
         return out
 
+    def continuous_unsupported(self, **search: Any) -> str | None:
+        """Why sentences of these search options cannot be batched continuously (None: they can)."""
+        from attnmt.generation.continuous import unsupported
+
+        return unsupported(self.generator_for(search))
+
+    def continuous_search(self, **search: Any):
+        """A running search of these search options that sentences join and leave step by step (continuous
+        batching, what ``attnmt serve`` runs): ``add(sources, keys)`` encoded sentences at any time, then
+        ``step()`` until ``size`` is 0, each step returning the ``(key, hypotheses)`` it finished; :meth:`finish`
+        turns hypotheses into what ``translate`` returns. Each translation is the one ``translate`` gives. Raises
+        :class:`UserError` where the model or the options need static batches (:meth:`continuous_unsupported`)."""
+        from attnmt.generation.continuous import ContinuousSearch
+
+        reason = self.continuous_unsupported(**search)
+        if reason is not None:
+            raise UserError(f"continuous batching does not take {reason}; translate with translate() instead")
+        self._check_open()
+        return ContinuousSearch(self.generator_for(search))
+
+    def finish(self, source_ids: list[int], hyps: list[Hypothesis], *, details: bool = False,
+               alignment: bool = False, **search: Any):
+        """What ``translate_encoded`` returns for the sentence ``source_ids``, from its ``hyps`` (best first)."""
+        cfg = self.generator_for(search).search_cfg
+        return self._result(source_ids, hyps, cfg, details or alignment, alignment)
+
     def encode(self, line: str) -> list[int]:
         """The source ids of a raw line (its final </s> included), as ``translate`` segments it."""
         return self.bundle.encode_source(line)

@@ -290,7 +290,7 @@ class CompiledStepAttention(StepAttention):
         self.library = library
         p, i64, i32 = _P, _I64, _I32
         self.functions = _bind(library, "step_attention", [p, i64, p, p, i64, p, i32, p, i64, i32, i32, p, p, p, i64,
-                                                            i64, i32, i32, i32, i32, ctypes.c_float, p, i32])
+                                                            i64, p, i32, i32, i32, i32, ctypes.c_float, p, i32])
         library.step_attention_max_dh.restype = i32
         self.max_head_dim = library.step_attention_max_dh()  # head sizes: multiples of 8 up to this
 
@@ -301,8 +301,13 @@ class CompiledStepAttention(StepAttention):
 
     def _run(self, q: Tensor, k_buf: Tensor, v_buf: Tensor, rows: StepRows, positions: int, *,
              ancestors: Tensor | None = None, ancestor_rows: int = 1, keep: Tensor | None = None,
-             k: Tensor | None = None, v: Tensor | None = None, position: int = 0) -> Tensor:
+             k: Tensor | None = None, v: Tensor | None = None, position: int | Tensor = 0) -> Tensor:
         total, H, _, Dh = q.shape
+        per_sentence = None
+        if isinstance(position, Tensor):  # each buffered sentence at its own step
+            if position.dtype != torch.int64 or not position.is_contiguous() or position.numel() != k_buf.size(0):
+                raise ValueError("the step kernel needs one int64 position per buffered sentence")
+            per_sentence, position = position, 0
         if not (k_buf.is_contiguous() and v_buf.is_contiguous() and k_buf.dtype == q.dtype == v_buf.dtype):
             raise ValueError("the step kernel needs contiguous buffers of the queries' dtype")
         out = q.new_empty(total, 1, H * Dh)
@@ -321,12 +326,14 @@ class CompiledStepAttention(StepAttention):
             None if ancestors is None else ancestors.data_ptr(), 0 if ancestors is None else ancestors.stride(0),
             ancestor_rows, rows.beam, None if keep is None else keep.data_ptr(),
             None if k is None else k.data_ptr(), None if v is None else v.data_ptr(), 0 if k is None else k.stride(0),
-            position, rows.count, H, Dh, positions, Dh ** -0.5, out.data_ptr(), torch.get_num_threads())
+            position, None if per_sentence is None else per_sentence.data_ptr(), rows.count, H, Dh, positions,
+            Dh ** -0.5, out.data_ptr(), torch.get_num_threads())
         return out
 
     def self_attention(self, q: Tensor, k: Tensor, v: Tensor, k_buf: Tensor, v_buf: Tensor, rows: StepRows,
-                       position: int, ancestors: Tensor | None, ancestor_rows: int) -> Tensor:
-        return self._run(q, k_buf, v_buf, rows, position + 1, ancestors=ancestors, ancestor_rows=ancestor_rows,
+                       position: int | Tensor, ancestors: Tensor | None, ancestor_rows: int) -> Tensor:
+        longest = int(position.max()) + 1 if isinstance(position, Tensor) else position + 1
+        return self._run(q, k_buf, v_buf, rows, longest, ancestors=ancestors, ancestor_rows=ancestor_rows,
                          k=k, v=v, position=position)
 
     def cross_attention(self, q: Tensor, k_buf: Tensor, v_buf: Tensor, rows: StepRows,

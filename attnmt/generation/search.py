@@ -173,18 +173,21 @@ def max_lengths(src_lengths: Tensor, cfg: SearchConfig, max_target_positions: in
     return lim
 
 
-def score_upper_bound(cum: Tensor, n_tokens: int, max_len: Tensor, penalty: LengthPenalty,
+def score_upper_bound(cum: Tensor, n_tokens: int | Tensor, max_len: Tensor, penalty: LengthPenalty,
                       bonus: float = 0.0) -> Tensor:
     """The best final score any completion of live hypotheses can reach (see "Early stopping" above).
 
     ``cum``: cumulative log-probabilities (<= 0 unless ``bonus`` > 0) of hypotheses with ``n_tokens`` generated
-    tokens and no EOS yet; ``max_len``: per-row token limit; ``bonus``: the most one more non-EOS token can add to
-    the log-probability (``-unkpen`` when the unknown word is rewarded, else 0).
+    tokens (or (R,), each row's) and no EOS yet; ``max_len``: per-row token limit; ``bonus``: the most one more
+    non-EOS token can add to the log-probability (``-unkpen`` when the unknown word is rewarded, else 0; with a
+    single ``n_tokens`` only).
     """
     first = n_tokens + 1  # shortest completion: EOS right away
     if bonus <= 0.0:
         if penalty.alpha >= 0:
             lp_max = penalty((max_len + 1).to(cum.dtype))
+        elif isinstance(first, Tensor):
+            lp_max = penalty(first.to(cum.dtype))
         else:
             lp_max = torch.full_like(cum, penalty(float(first)))
         return cum / lp_max
@@ -215,11 +218,12 @@ def _block_ngram_repeats(lprobs: Tensor, generated: Tensor, n: int) -> None:
         lprobs[rows, windows[rows, wins, -1]] = NEG_INF
 
 
-def step_log_probs(logits: Tensor, step: int, max_len: Tensor, generated: Tensor, cfg: SearchConfig,
+def step_log_probs(logits: Tensor, step: int | Tensor, max_len: Tensor, generated: Tensor | None, cfg: SearchConfig,
                    sym: Symbols, keep_bf16: bool = False) -> Tensor:
     """Log-probabilities of the next token under the search's rules.
 
-    ``logits``: (R, V) for the token at position ``step`` (0-based count of tokens generated so far);
+    ``logits``: (R, V) for the token at position ``step`` (0-based count of tokens generated so far; or (R,), each
+    row's, when the rows are at different steps: no n-gram blocking then);
     ``max_len``: (R,) per-row limits; ``generated``: (R, step) the tokens so far. Padding (and BOS) never appear,
     ``--unkpen`` is subtracted from the unknown word, EOS is barred before ``--min-len`` and forced at ``max_len``.
     The result is float32, or with ``keep_bf16`` and bf16 logits, bf16: the softmax is computed in float32 either
@@ -238,7 +242,9 @@ def step_log_probs(logits: Tensor, step: int, max_len: Tensor, generated: Tensor
     if cfg.no_repeat_ngram_size:
         _block_ngram_repeats(lprobs, generated, cfg.no_repeat_ngram_size)
     eos_lp = lprobs[:, sym.eos].clone()
-    if step < cfg.min_len:
+    if isinstance(step, Tensor):
+        lprobs[:, sym.eos].masked_fill_(step < cfg.min_len, NEG_INF)
+    elif step < cfg.min_len:
         lprobs[:, sym.eos] = NEG_INF
     at_limit = max_len <= step
     if bool(at_limit.any()):
@@ -282,6 +288,8 @@ class Normalizer:
     bias: Tensor  # (V,) float32
     maxima: Tensor  # (R, V // TOPK_BLOCK) float32
     lse: Tensor  # (R,) float32
+    no_eos: Tensor | None = None  # (R,) bool: rows whose EOS is barred (before --min-len; their maxima exclude it)
+    eos: int = -1
 
 
 def best_extensions(lprobs: Tensor, scores: Tensor, beam: int, nonpositive: bool = False, blockwise: bool = True,
@@ -334,6 +342,8 @@ def best_extensions(lprobs: Tensor, scores: Tensor, beam: int, nonpositive: bool
     rows = offsets // V
     if normalizer is not None:  # the same operations, in the same order, as the bound's
         cand_lp = (cand_lp + normalizer.bias.take(offsets % V)) - normalizer.lse.take(rows)
+        if normalizer.no_eos is not None:
+            cand_lp.masked_fill_(normalizer.no_eos.take(rows) & (offsets % V == normalizer.eos), NEG_INF)
     cand = cand_lp + scores.view(-1).take(rows)
     top_s, j = cand.topk(C, dim=1)
     off = offsets.gather(1, j)

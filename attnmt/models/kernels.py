@@ -60,10 +60,12 @@ class StepAttention(ABC):
 
     @abstractmethod
     def self_attention(self, q: Tensor, k: Tensor, v: Tensor, k_buf: Tensor, v_buf: Tensor, rows: StepRows,
-                       position: int, ancestors: Tensor | None, ancestor_rows: int) -> Tensor:
+                       position: int | Tensor, ancestors: Tensor | None, ancestor_rows: int) -> Tensor:
         """Write the step's keys/values ``k``/``v`` (rows, H, 1, Dh) of row ``r`` to slot ``position * beam + r %
         per_sentence``, then attend from each row to its history: position ``s`` <= ``position`` in slot ``s *
-        beam + ancestors[r * ancestor_rows, s]`` (int32; None with beam 1: slot ``s``)."""
+        beam + ancestors[r * ancestor_rows, s]`` (int32; None with beam 1: slot ``s``). ``position``: the step's,
+        or (N,) int64, one per buffered sentence, when the sentences are at different steps (continuous
+        batching)."""
 
     @abstractmethod
     def cross_attention(self, q: Tensor, k_buf: Tensor, v_buf: Tensor, rows: StepRows,

@@ -42,6 +42,7 @@ from attnmt.models.dropout import dropout as dropout_weights
 from attnmt.models.incremental import SlotCache
 from attnmt.models.interface import DecoderCache, EncoderDecoderModel, LayerCache
 from attnmt.models.kernels import DecodingKernels, TrainingAttention
+from attnmt.models.pool import PoolCache
 from attnmt.models.linear import Linear
 from attnmt.models.packing import PackedRows, RowPacking, SentenceRows, is_prefix
 from attnmt.models.tuning import AttentionKernel, DropoutKernel
@@ -166,7 +167,7 @@ class LearnedPositions(nn.Module):
         return F.embedding(positions, self.weight)  # (B, T, D)
 
 
-def positions_of(tokens: Tensor, pad_idx: int, start: int = 0) -> Tensor:
+def positions_of(tokens: Tensor, pad_idx: int, start: int | Tensor = 0) -> Tensor:
     """Position of each token among the real tokens of its sentence, counted from ``start``.
 
     For right-padded batches this is ``start + 0..T-1``; counting non-pad tokens makes the positions (hence the
@@ -193,9 +194,11 @@ class InputEmbedding(nn.Module):
         self.dropout = Dropout(dropout)
         self.pad_idx = pad_idx
 
-    def forward(self, tokens: Tensor, start: int = 0) -> Tensor:  # tokens (B, T)
+    def forward(self, tokens: Tensor, start: int | Tensor = 0) -> Tensor:  # tokens (B, T)
+        """``start``: the position of the first token, or (B, 1), each row's (continuous batching)."""
         pos = positions_of(tokens, self.pad_idx, start)  # (B, T)
-        x = self.scale * self.tokens(tokens) + self.positions(pos, start + tokens.size(1))  # (B, T, D)
+        longest = int(start.max()) if isinstance(start, Tensor) and start.numel() else int(start)
+        x = self.scale * self.tokens(tokens) + self.positions(pos, longest + tokens.size(1))  # (B, T, D)
         if torch.is_autocast_enabled(x.device.type):
             # Under autocast the whole residual stream stays in the low-precision dtype (as in fairseq --bf16):
             # every matmul runs in it anyway, LayerNorm on bf16 input computes its statistics in fp32 and
@@ -669,6 +672,13 @@ class TransformerModel(EncoderDecoderModel):
         """
         return SlotCache(len(self.decoder.layers), beam, kernels.row_bucket, kernels.fused_attention,
                          kernels.step_attention)
+
+    def new_pool_cache(self, beam: int, kernels: DecodingKernels = DecodingKernels(),
+                       device: torch.device | str = "cpu") -> PoolCache:
+        """An empty cache of sentence places for continuous batching (``attnmt.generation.continuous``):
+        sentences join and leave it between calls, each decoded at its own position, ``beam`` rows each."""
+        return PoolCache(len(self.decoder.layers), beam, kernels.row_bucket, kernels.fused_attention,
+                         kernels.step_attention, device)
 
     @staticmethod
     def reorder(enc: EncoderOut, cache: DecoderCache | None, new_order: Tensor,

@@ -83,6 +83,9 @@ def serve(translator, cfg, announce: Callable[[str], None] = print) -> dict:
         shown = f"[{host}]" if ":" in host else host
         announce(f"serving {translator.source_lang}->{translator.target_lang} on http://{shown}:{port} "
                  f"(POST /translate, /v1/translate; GET / /health /metrics); SIGTERM or Ctrl-C stops")
+        reason = translator.continuous_unsupported() if cfg.batching == "continuous" else None
+        if reason is not None:
+            announce(f"continuous batching does not take {reason}: batching statically")
         batcher.run()
         thread.join()
     finally:

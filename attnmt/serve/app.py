@@ -58,6 +58,7 @@ class Service:
         self.metrics = Metrics()
         self.batcher = batcher
         self.stopping = False
+        self._continuous: dict[str, bool] = {}  # search options -> batched continuously
         model_limit = translator.max_source_tokens()
         self.max_tokens = min(cfg.max_sentence_tokens or model_limit, model_limit)
 
@@ -178,8 +179,17 @@ class Service:
         def run(batch: list[list[int]]) -> list[Translation]:
             return t.translate_encoded(batch, details=True, alignment=alignment, **search)
 
+        stream = finish = None
+        if self.continuous(search):
+            def stream():
+                return t.continuous_search(**search)
+
+            def finish(ids: list[int], hyps) -> Translation:
+                return t.finish(ids, hyps, details=True, alignment=alignment, **search)
+
         loop = asyncio.get_running_loop()
-        job = Job(sources=sources, key=(nbest, alignment), run=run, future=loop.create_future(), loop=loop)
+        job = Job(sources=sources, key=(nbest, alignment), run=run, future=loop.create_future(), loop=loop,
+                  stream=stream, finish=finish)
         try:
             self.batcher.submit(job)
         except Overloaded:
@@ -196,6 +206,16 @@ class Service:
                                   f"overloaded, retry later", {"Retry-After": "5"}) from None
         except UserError as e:
             raise BadRequest(400, str(e)) from None
+
+    def continuous(self, search: dict[str, Any]) -> bool:
+        """Whether requests of these search options are batched continuously (``--batching``, and options it
+        takes)."""
+        if self.cfg.batching != "continuous":
+            return False
+        key = repr(sorted(search.items()))
+        if key not in self._continuous:
+            self._continuous[key] = self.translator.continuous_unsupported(**search) is None
+        return self._continuous[key]
 
     def languages(self) -> list[dict]:
         t = self.translator

@@ -1,6 +1,15 @@
 """Dynamic batching: sentences of concurrent requests searched together, on one decoding thread.
 
-Requests put their sentences on one queue; the decoding loop takes the oldest, waits at most ``batch_wait``
+Requests put their sentences on one queue, and the decoding loop searches them in one of two ways.
+
+**Continuous batching** (jobs with a ``stream``: the default of ``attnmt serve``): a job's sentences join a running
+search (:class:`~attnmt.generation.continuous.ContinuousSearch`) at its next step, as long as at most
+``max_batch`` sentences are in flight, and each sentence leaves it as soon as its translation is final; a job is
+answered once all of its sentences are. Every step thus decodes all the sentences in flight, whatever their
+arrival, and a short sentence is not held back by a long one. Jobs of other search options wait at the head of
+the queue until the running search has drained (first come, first served).
+
+**Static batches** (jobs without one): the loop takes the oldest, waits at most ``batch_wait``
 seconds for more of the same kind (the same search options), then translates up to ``max_batch`` sentences in one
 call of the translator, which sorts them by length and cuts them into ``--max-tokens`` batches as ``attnmt
 translate`` does. A request's sentences are never split across two calls unless it alone has more than
@@ -41,6 +50,10 @@ class Job:
     loop: asyncio.AbstractEventLoop
     arrived: float = field(default_factory=time.monotonic)
     cancelled: bool = False
+    stream: Callable[[], Any] | None = None  # the running search of this key (continuous batching), made on demand
+    finish: Callable[[list[int], Any], Any] | None = None  # (source ids, hypotheses) -> a sentence's result
+    results: list[Any] = field(default_factory=list)
+    left: int = 0  # sentences still in flight
 
     def settle(self, result: Any = None, error: BaseException | None = None) -> None:
         def set_it():
@@ -62,6 +75,8 @@ class BatchStats:
     sentences: int = 0
     target_tokens: int = 0
     busy_seconds: float = 0.0
+    steps: int = 0  # continuous batching: search steps, and the sentences they decoded in all
+    step_sentences: int = 0
 
 
 class Batcher:
@@ -82,6 +97,11 @@ class Batcher:
         self._queued = 0  # sentences waiting
         self._cond = threading.Condition()
         self._stopping = False
+        self._streams: dict[tuple, Any] = {}  # search options -> their running search (kept for reuse)
+        self._stream: Any = None  # the search with sentences in flight
+        self._stream_key: tuple | None = None
+        self._flight: dict[int, tuple[Job, int]] = {}  # sentence id in the search -> (job, index)
+        self._next_sentence = 0
         self._thread = threading.Thread(target=self.run, name="attnmt-decoding", daemon=True) if thread else None
         if self._thread is not None:
             self._thread.start()
@@ -141,11 +161,18 @@ class Batcher:
     def run(self) -> None:
         """The decoding loop: batches until :meth:`stop` and the queue is empty."""
         while True:
+            if self._stream is not None and self._stream.size:
+                self._join(self._admissible())
+                self._step()
+                continue
             jobs = self._take()
             if jobs is None:
                 return
             jobs = [j for j in jobs if not j.cancelled]
             if not jobs:
+                continue
+            if jobs[0].stream is not None:
+                self._join(jobs)
                 continue
             sources = [s for j in jobs for s in j.sources]
             t0 = time.perf_counter()
@@ -167,3 +194,85 @@ class Batcher:
             for j in jobs:
                 j.settle(results[at: at + len(j.sources)])
                 at += len(j.sources)
+
+    # ------------------------------------------------------------------------------------------ continuous
+
+    def _admissible(self) -> list[Job]:
+        """The jobs at the head of the queue that may join the running search now (its options, within
+        ``max_batch`` sentences in flight); a job of other options at the head stops admission until it drains."""
+        jobs: list[Job] = []
+        with self._cond:
+            room = self.max_batch - self._stream.size
+            while self._queue:
+                j = self._queue[0]
+                if j.cancelled:
+                    self._queue.popleft()
+                    self._queued -= len(j.sources)
+                    continue
+                if j.stream is None or j.key != self._stream_key or len(j.sources) > room:
+                    break
+                self._queue.popleft()
+                self._queued -= len(j.sources)
+                room -= len(j.sources)
+                jobs.append(j)
+        return jobs
+
+    def _join(self, jobs: list[Job]) -> None:
+        """Let the jobs' sentences join the running search of their options (started if needed)."""
+        if not jobs:
+            return
+        key = jobs[0].key
+        t0 = time.perf_counter()
+        try:
+            if self._stream is None or self._stream_key != key:
+                if key not in self._streams:
+                    self._streams[key] = jobs[0].stream()
+                self._stream, self._stream_key = self._streams[key], key
+            ids = []
+            for j in jobs:
+                j.results, j.left = [None] * len(j.sources), len(j.sources)
+                for i in range(len(j.sources)):
+                    self._flight[self._next_sentence] = (j, i)
+                    ids.append(self._next_sentence)
+                    self._next_sentence += 1
+            self._stream.add([s for j in jobs for s in j.sources], ids)
+            self.stats.batches += 1
+        except Exception as e:  # noqa: BLE001 - a request must never end the decoding loop
+            self._fail(e, jobs)
+        finally:
+            self.stats.busy_seconds += time.perf_counter() - t0
+
+    def _step(self) -> None:
+        """One step of the running search; answer the jobs whose last sentence it finished."""
+        t0 = time.perf_counter()
+        size = self._stream.size
+        try:
+            done = self._stream.step()
+        except Exception as e:  # noqa: BLE001 - a request must never end the decoding loop
+            self._fail(e)
+            return
+        finally:
+            self.stats.busy_seconds += time.perf_counter() - t0
+        self.stats.steps += 1
+        self.stats.step_sentences += size
+        for sid, hyps in done:
+            job, i = self._flight.pop(sid)
+            try:
+                job.results[i] = job.finish(job.sources[i], hyps)
+            except Exception as e:  # noqa: BLE001
+                job.settle(error=e)
+                job.left = -1
+                continue
+            self.stats.sentences += 1
+            self.stats.target_tokens += self.count_tokens(job.results[i])
+            job.left -= 1
+            if job.left == 0:
+                job.settle(job.results)
+
+    def _fail(self, error: BaseException, jobs: list[Job] = ()) -> None:
+        """A search failed: answer its jobs (and ``jobs``) with ``error`` and start afresh."""
+        for j in {id(j): j for j in [*(j for j, _ in self._flight.values()), *jobs]}.values():
+            j.settle(error=error)
+        self._flight.clear()
+        self._streams.pop(self._stream_key, None)
+        self._stream, self._stream_key = None, None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 @dataclass
@@ -12,9 +13,14 @@ class ServeConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "Address to listen on (0.0.0.0: every interface)."})
     port: int = field(default=5000, metadata={"min": 0, "max": 65535,
                                               "help": "Port to listen on (0: a free one, printed at start)."})
+    batching: Literal["continuous", "static"] = field(default="continuous", metadata={
+        "help": "continuous: a request's sentences join the running search at its next step and leave it as soon as "
+                "they are translated; static: the sentences waiting are searched together as one batch, which runs "
+                "until its longest sentence ends. Continuous needs beam search (or greedy) with one model, without "
+                "--no-repeat-ngram-size or a negative --unkpen; other options are batched statically."})
     max_batch: int = field(default=256, metadata={
-        "min": 1, "help": "Most sentences of concurrent requests translated together; --max-tokens still cuts "
-                          "them into search batches."})
+        "min": 1, "help": "Most sentences of concurrent requests translated together (continuous: in flight at "
+                          "once); --max-tokens still cuts static batches into search batches."})
     batch_wait_ms: float = field(default=5.0, metadata={
         "min": 0, "help": "How long the first waiting sentence waits for others to join its batch."})
     return_wait_ms: float = field(default=50.0, metadata={

@@ -56,6 +56,9 @@ class Metrics:
             "target_tokens": batches.target_tokens,
             "batches": batches.batches,
             "mean_batch_sentences": round(batches.sentences / batches.batches, 2) if batches.batches else 0.0,
+            "search_steps": batches.steps,
+            "search_step_sentences": batches.step_sentences,
+            "mean_step_sentences": round(batches.step_sentences / batches.steps, 2) if batches.steps else 0.0,
             "decoding_busy_seconds": round(batches.busy_seconds, 3),
             "target_tokens_per_second": round(batches.target_tokens / up, 2) if up > 0 else 0.0,
             "queue_sentences": queued,
@@ -77,7 +80,10 @@ class Metrics:
         metric("sentences_total", "counter", "Sentences translated.", [("", snap["sentences"])])
         metric("source_tokens_total", "counter", "Source tokens translated.", [("", snap["source_tokens"])])
         metric("target_tokens_total", "counter", "Target tokens written.", [("", snap["target_tokens"])])
-        metric("batches_total", "counter", "Decoding calls (each one or more search batches).", [("", snap["batches"])])
+        metric("batches_total", "counter", "Static batches searched, or groups of sentences that joined the running "
+               "search (continuous batching).", [("", snap["batches"])])
+        metric("search_steps_total", "counter", "Steps of the running search (continuous batching).",
+               [("", snap["search_steps"])])
         metric("decoding_busy_seconds_total", "counter", "Seconds the decoding thread spent translating.",
                [("", snap["decoding_busy_seconds"])])
         metric("target_tokens_per_second", "gauge", "Target tokens written per second since the start.",

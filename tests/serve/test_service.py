@@ -95,9 +95,11 @@ def test_concurrent_clients_are_batched_together_and_each_gets_its_own_answer(se
     assert answers == expected
     after = service.request("/metrics?format=json")[1]
     sentences = after["sentences"] - before["sentences"]
-    batches = after["batches"] - before["batches"]
+    steps = after["search_steps"] - before["search_steps"]
+    together = (after["search_step_sentences"] - before["search_step_sentences"]) / steps
     assert sentences == 96
-    assert batches < 96 / 2, f"{batches} decoding calls for 96 sentences from 24 clients: no batching"
+    # continuous batching: the clients' sentences are decoded in the same steps
+    assert together > 4, f"{together:.1f} sentences per search step from 24 clients: no batching"
 
 
 BAD = [

@@ -12,8 +12,10 @@
  *   keys, values (N, H, slots, dh), contiguous: N buffered sentences
  *   sentence of row r: live[r / per] when live is given, else r / per
  *   self-attention: ancestors int32, row r uses ancestor row r * anc_mult (stride anc_stride); the row attends
- *     positions 0..n-1. With new_k/new_v (row stride new_rs, head h at h * dh), the row's key/value of position
- *     pos is first written to slot pos * beam + r % per, which no other row reads.
+ *     positions 0..pos, pos = positions[sentence] when positions (int64, one per buffered sentence: sentences
+ *     at different steps) is given, else the call's pos (n = pos + 1). With new_k/new_v (row stride new_rs,
+ *     head h at h * dh), the row's key/value of position pos is first written to slot pos * beam + r % per,
+ *     which no other row reads.
  *   encoder-decoder attention: ancestors NULL, n = slots; keep (N, n) bytes, 0 = padding (NULL: none).
  *   out          (rows, H * dh), contiguous.
  */
@@ -140,18 +142,22 @@ static inline __attribute__((always_inline)) void attend_one(
 #define ARGS                                                                                                     \
     const void *q, int64_t q_rs, void *keys, void *values, int64_t slots, const int64_t *live, int per,          \
         const int32_t *anc, int64_t anc_stride, int anc_mult, int beam, const uint8_t *keep, const void *new_k,  \
-        const void *new_v, int64_t new_rs, int64_t pos, int rows, int heads, int dh, int n, float scale,         \
-        void *out, int threads
+        const void *new_v, int64_t new_rs, int64_t pos, const int64_t *positions, int rows, int heads, int dh,    \
+        int n, float scale, void *out, int threads
 #define PASS q, q_rs, keys, values, slots, live, per, anc, anc_stride, anc_mult, beam, keep, new_k, new_v, new_rs, \
-             pos, rows, heads, dh, n, scale, out, threads
+             pos, positions, rows, heads, dh, n, scale, out, threads
 
 /* row r, head h */
 static inline __attribute__((always_inline)) void step_pair(ARGS, int r, int h, int bf16)
 {
     (void)rows, (void)threads;
     const int64_t esz = bf16 ? 2 : 4, row_bytes = dh * esz;
-    float w[n + 8];
     const int64_t sent = live ? live[r / per] : r / per;
+    if (positions) { /* this sentence's own step */
+        pos = positions[sent];
+        n = (int)pos + 1;
+    }
+    float w[n + 8];
     char *k = (char *)keys + (sent * heads + h) * slots * row_bytes;
     char *v = (char *)values + (sent * heads + h) * slots * row_bytes;
     if (new_k) {

@@ -1,0 +1,274 @@
+"""Continuous batching: a beam search that sentences join and leave step by step.
+
+A static search (:func:`~attnmt.generation.search.run_search`) starts a batch of sentences together and runs until
+the last one ends: as its sentences finish, its steps hold fewer and fewer of them, each step still paying for
+every weight of the model. A service whose clients send a sentence at a time never has more than a few dozen
+sentences to batch, so its static batches spend most of their steps half empty. Here a sentence joins the
+running search at the next step (:meth:`ContinuousSearch.add`) and leaves it as soon as its n-best list is final
+(:meth:`ContinuousSearch.step` returns it), so every step decodes all the sentences in flight, each at its own
+position (the decoder's pool cache, :mod:`attnmt.models.pool`).
+
+Each sentence is searched exactly as :class:`~attnmt.generation.beam.BeamSearch` searches it: the same
+candidates, rules, length limits and early stop, per sentence; only the other rows of the decoder's products
+differ, so the translations are the static search's (scores equal up to rounding).
+
+Beam search and greedy decoding (beam 1) of one model, without n-gram blocking or a rewarded unknown word
+(``--unkpen`` < 0); :func:`unsupported` says why another configuration is not taken (the caller then batches
+statically).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable, Sequence
+
+import torch
+from torch import Tensor
+
+from attnmt.generation.beam import BeamSearch, _options
+from attnmt.generation.search import (
+    NEG_INF,
+    TOPK_BLOCK,
+    Finished,
+    Hypothesis,
+    Normalizer,
+    best_extensions,
+    max_lengths,
+    max_target_positions,
+    score_upper_bound,
+    step_log_probs,
+    token_bias,
+)
+
+DEFAULT_PLACES = 32  # sentence places the pool starts with (it grows as more sentences are in flight)
+
+
+def unsupported(generator) -> str | None:
+    """Why ``generator``'s model and search cannot be batched continuously (None: they can)."""
+    from attnmt.registry import get, load_builtins
+
+    load_builtins()
+    cfg = generator.search_cfg
+    if not issubclass(get("search", cfg.search).obj, BeamSearch):
+        return f"the {cfg.search} search"
+    if cfg.no_repeat_ngram_size:
+        return "--no-repeat-ngram-size"
+    if cfg.unkpen < 0:
+        return "a negative --unkpen"
+    if not hasattr(generator.model, "new_pool_cache"):
+        return f"the model ({type(generator.model).__name__}; ensembles batch statically)"
+    if generator.pool is not None:
+        return "--workers"
+    return None
+
+
+class ContinuousSearch:
+    """The running search of a :class:`~attnmt.generation.generator.Generator`'s model and beam search options.
+
+    ``add`` sentences (id lists, each with a caller's key) at any time, then call ``step`` until ``size`` is 0:
+    each step decodes one token of every sentence in flight and returns ``(key, hypotheses)`` of the sentences
+    it finished, best first (``nbest`` of them), as ``Generator.generate`` gives them.
+    """
+
+    def __init__(self, generator):
+        reason = unsupported(generator)
+        if reason is not None:
+            raise ValueError(f"continuous batching does not take {reason}")
+        self.generator = generator
+        self.model, self.sym, self.cfg = generator.model, generator.symbols, generator.search_cfg
+        self.kernels = generator.backend.decoding_kernels()
+        self.device = generator.device
+        self.K = self.cfg.beam
+        self.beam_stop = _options(self.cfg).early_stop == "beam"
+        self.cache = self.model.new_pool_cache(self.K, self.kernels, self.device)
+        dev = self.device
+        self.keys: list[Hashable] = []  # per live sentence, in row order
+        self.finished = Finished(0, self.cfg.nbest)
+        self.steps = torch.zeros(0, dtype=torch.long, device=dev)  # tokens each sentence has generated
+        self.max_len = torch.zeros(0, dtype=torch.long, device=dev)
+        self.kth_best = torch.zeros(0, device=dev)  # the score a live hypothesis must beat
+        self.top_eos = torch.zeros(0, dtype=torch.long, device=dev)  # EOS among the beam best (--early-stop beam)
+        self.scores = torch.zeros(0, self.K, device=dev)
+        self.tokens = torch.zeros(0, 2, dtype=torch.long, device=dev)  # column t + 1: token t; column 0: start
+        self.pos_scores = torch.zeros(0, 2, device=dev)
+        self.joining = None  # the encoder output of the sentences added since the last step
+        self._bias: Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        """Sentences in flight."""
+        return len(self.keys)
+
+    # ------------------------------------------------------------------------------------------ join
+
+    def add(self, sources: Sequence[Sequence[int]], keys: Sequence[Hashable]) -> None:
+        """Let ``sources`` (id lists with their final EOS, within the model's limit) join at the next step."""
+        from attnmt.generation.generator import collate
+        from attnmt.models.transformer import EncoderOut
+
+        if not sources:
+            return
+        g = self.generator
+        t0 = time.perf_counter()
+        with torch.inference_mode(), g.autocast():
+            src, lengths = collate(sources, self.sym.pad, self.device)
+            enc = self.model.encode(src, lengths)
+            self.cache.admit(enc.padding_mask)
+            if self.joining is not None:  # two groups before a step: one encoder output, padded alike
+                a, b = self.joining, enc
+                S = max(a.out.size(1), b.out.size(1))
+                enc = EncoderOut(torch.cat([_pad_to(a.out, S, 0), _pad_to(b.out, S, 0)]),
+                                 torch.cat([_pad_to(a.padding_mask, S, True), _pad_to(b.padding_mask, S, True)]))
+            self.joining = enc
+            n, K, dev = len(sources), self.K, self.device
+            limit = max_lengths(lengths, self.cfg, max_target_positions(self.model))
+            width = int(limit.max()) + 2
+            if width > self.tokens.size(1):
+                self.tokens = _pad_to(self.tokens, width, self.sym.eos)
+                self.pos_scores = _pad_to(self.pos_scores, width, 0.0)
+            self.tokens = torch.cat([self.tokens, self.tokens.new_full((n * K, self.tokens.size(1)), self.sym.eos)])
+            self.pos_scores = torch.cat([self.pos_scores, self.pos_scores.new_zeros(n * K, self.tokens.size(1))])
+            scores = torch.full((n, K), NEG_INF, device=dev)
+            scores[:, 0] = 0.0  # a sentence's rows start identical: only the first one is alive at first
+            self.scores = torch.cat([self.scores, scores])
+            self.steps = torch.cat([self.steps, self.steps.new_zeros(n)])
+            self.max_len = torch.cat([self.max_len, limit])
+            self.kth_best = torch.cat([self.kth_best, torch.full((n,), NEG_INF, device=dev)])
+            self.top_eos = torch.cat([self.top_eos, self.top_eos.new_zeros(n)])
+        self.keys.extend(keys)
+        self.finished.hyps.extend([] for _ in range(n))
+        g.stats.seconds += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------------------------------ step
+
+    def step(self) -> list[tuple[Hashable, list[Hypothesis]]]:
+        """Decode one token of every sentence in flight; the sentences this finished, with their hypotheses."""
+        if not self.keys:
+            return []
+        g = self.generator
+        t0 = time.perf_counter()
+        with torch.inference_mode(), g.autocast():
+            done = self._step()
+        g.stats.seconds += time.perf_counter() - t0
+        g.stats.sentences += len(done)
+        g.stats.target_tokens += sum(len(h[0].tokens) for _, h in done if h)
+        return done
+
+    def _step(self) -> list[tuple[Hashable, list[Hypothesis]]]:
+        from attnmt.models.transformer import EncoderOut
+
+        cfg, K, dev, eos = self.cfg, self.K, self.device, self.sym.eos
+        A = len(self.keys)
+        row_steps = self.steps.repeat_interleave(K)
+        prev = self.tokens.gather(1, row_steps[:, None])  # each row's newest token
+        enc = self.joining
+        if enc is None:  # no new encoder output: the places hold every sentence's keys/values
+            enc = EncoderOut(self.tokens.new_zeros(0, 1, 1).float(), self.tokens.new_zeros(0, 1).bool())
+        feats = self.model.decode_features(prev, enc, self.cache)[:, -1]
+        self.joining = None
+        top_s, top_lp, beam_i, tok = self._extensions(feats, row_steps, self.max_len.repeat_interleave(K))
+        is_eos = tok == eos
+        fin = is_eos & (top_s > NEG_INF)
+        if self.beam_stop:  # fairseq's rule: only EOS extensions among the `beam` best finish a hypothesis
+            fin[:, K:] = False
+        if bool(fin.any()):
+            self._finalize(*fin.nonzero(as_tuple=True), beam_i, top_lp, top_s)
+        C = top_s.size(1)
+        sel = (is_eos.long() * C + torch.arange(C, device=dev)).topk(K, dim=1, largest=False).indices
+        new_s, new_tok, new_lp = top_s.gather(1, sel), tok.gather(1, sel), top_lp.gather(1, sel)
+        src_rows = (torch.arange(A, device=dev) * K)[:, None] + beam_i.gather(1, sel)
+        penalty = cfg.length_penalty
+        done = score_upper_bound(new_s[:, 0], self.steps + 1, self.max_len, penalty) <= self.kth_best
+        done |= self.steps >= self.max_len  # at the limit only EOS was allowed
+        if self.beam_stop:
+            self.top_eos += fin[:, :K].sum(dim=1)
+            done |= self.top_eos >= K
+        out: list[tuple[Hashable, list[Hypothesis]]] = []
+        keep = None
+        if bool(done.any()):
+            gone = done.nonzero(as_tuple=True)[0].tolist()
+            out = [(self.keys[i], self.finished.hyps[i][: cfg.nbest]) for i in gone]
+            keep = (~done).nonzero(as_tuple=True)[0]
+            kept = keep.tolist()
+            self.keys = [self.keys[i] for i in kept]
+            self.finished.hyps = [self.finished.hyps[i] for i in kept]
+            src_rows, new_s, new_tok, new_lp = src_rows[keep], new_s[keep], new_tok[keep], new_lp[keep]
+            self.steps, self.max_len = self.steps[keep], self.max_len[keep]
+            self.kth_best, self.top_eos = self.kth_best[keep], self.top_eos[keep]
+        order = src_rows.reshape(-1)
+        self.tokens, self.pos_scores = self.tokens[order], self.pos_scores[order]
+        self.cache.reorder(order, keep)
+        rows = torch.arange(order.numel(), device=dev)
+        at = self.steps.repeat_interleave(K)
+        self.tokens[rows, at + 1] = new_tok.reshape(-1)
+        self.pos_scores[rows, at] = new_lp.reshape(-1)
+        self.scores = new_s
+        self.steps = self.steps + 1
+        return out
+
+    def _extensions(self, feats: Tensor, row_steps: Tensor, row_max_len: Tensor):
+        """Every sentence's best extensions (as ``next_token_extensions``), each row at its own step."""
+        cfg, K, kernels, sym = self.cfg, self.K, self.kernels, self.sym
+        R = feats.size(0)
+        block_rows = max(1, kernels.score_rows // K) * K
+        scores = self.scores.view(-1)
+        parts = []
+        for a in range(0, R, block_rows):
+            b = min(a + block_rows, R)
+            block = feats[a:b]
+            if b - a < block_rows and kernels.row_bucket is not None:
+                block = torch.cat([block, block.new_zeros(kernels.row_bucket(b - a) - (b - a), block.size(1))])
+            logits = self.model.output_layer(block)[: b - a]
+            steps, limits = row_steps[a:b], row_max_len[a:b]
+            V = logits.size(1)
+            if (kernels.scores is not None and kernels.blockwise_topk and V // TOPK_BLOCK > min(2 * K, K * V)
+                    and kernels.scores.supports(logits) and not bool((limits <= steps).any())):
+                if self._bias is None:  # the rules every row shares (EOS is barred per row below)
+                    self._bias = token_bias(V, cfg.min_len, cfg, sym, logits.device)
+                maxima, lse = kernels.scores.logsumexp_blocks(logits, self._bias, TOPK_BLOCK)
+                young = steps < cfg.min_len
+                no_eos = None
+                if bool(young.any()):
+                    no_eos = young
+                    blk = sym.eos // TOPK_BLOCK
+                    if blk < maxima.size(1):  # the EOS block's maxima without EOS, for the barred rows
+                        rows = young.nonzero(as_tuple=True)[0]
+                        lo = blk * TOPK_BLOCK
+                        seg = logits[rows, lo:lo + TOPK_BLOCK].float() + self._bias[lo:lo + TOPK_BLOCK]
+                        seg[:, sym.eos - lo] = NEG_INF
+                        maxima[rows, blk] = seg.amax(dim=1)
+                norm = Normalizer(self._bias, maxima, lse, no_eos, sym.eos)
+                parts.append(best_extensions(logits, scores[a:b], K, normalizer=norm))
+                continue
+            lprobs = step_log_probs(logits, steps, limits, None, cfg, sym, keep_bf16=kernels.low_precision_scores)
+            parts.append(best_extensions(lprobs, scores[a:b], K, cfg.unkpen >= 0, kernels.blockwise_topk,
+                                         maxima_of=kernels.block_maxima))
+        if len(parts) == 1:
+            return parts[0]
+        return tuple(torch.cat(p) for p in zip(*parts))
+
+    def _finalize(self, local: Tensor, c: Tensor, beam_i: Tensor, top_lp: Tensor, top_s: Tensor) -> None:
+        """Finish the hypotheses extended by EOS: candidate ``c`` of sentence ``local`` (as ``finalize``, each
+        sentence at its own step)."""
+        K, eos, penalty = self.K, self.sym.eos, self.cfg.length_penalty
+        rows = local * K + beam_i[local, c]
+        steps = self.steps[local].tolist()
+        lp = torch.tensor([penalty(float(n + 1)) for n in steps], dtype=top_s.dtype, device=top_s.device)
+        final = (top_s[local, c] / lp).tolist()  # rounded as the static search rounds it
+        eos_lp = top_lp[local, c].tolist()
+        toks, ps = self.tokens[rows].tolist(), self.pos_scores[rows].tolist()
+        updates: dict[int, float] = {}
+        for m, a in enumerate(local.tolist()):
+            n = steps[m]
+            updates[a] = self.finished.add(a, Hypothesis(toks[m][1:n + 1] + [eos], final[m], ps[m][:n] + [eos_lp[m]]))
+        idx = torch.tensor(list(updates), device=self.kth_best.device)
+        self.kth_best[idx] = torch.tensor(list(updates.values()), dtype=self.kth_best.dtype,
+                                          device=self.kth_best.device)
+
+
+def _pad_to(x: Tensor, width: int, value) -> Tensor:
+    """``x`` with dimension 1 padded with ``value`` up to ``width``."""
+    if x.size(1) >= width:
+        return x
+    pad = x.new_full((x.size(0), width - x.size(1)) + tuple(x.shape[2:]), value)
+    return torch.cat([x, pad], dim=1)
