@@ -39,8 +39,8 @@ from attnmt.generation.search import (
     step_log_probs,
     token_bias,
 )
+from attnmt.models.kernels import DecodingKernels
 
-DEFAULT_PLACES = 32  # sentence places the pool starts with (it grows as more sentences are in flight)
 
 
 def unsupported(generator) -> str | None:
@@ -70,13 +70,14 @@ class ContinuousSearch:
     it finished, best first (``nbest`` of them), as ``Generator.generate`` gives them.
     """
 
-    def __init__(self, generator):
+    def __init__(self, generator, kernels: DecodingKernels | None = None):
+        """``kernels``: how the steps run (None: the generator's backend's ``decoding_kernels()``)."""
         reason = unsupported(generator)
         if reason is not None:
             raise ValueError(f"continuous batching does not take {reason}")
         self.generator = generator
         self.model, self.sym, self.cfg = generator.model, generator.symbols, generator.search_cfg
-        self.kernels = generator.backend.decoding_kernels()
+        self.kernels = generator.backend.decoding_kernels() if kernels is None else kernels
         self.device = generator.device
         self.K = self.cfg.beam
         self.beam_stop = _options(self.cfg).early_stop == "beam"
@@ -106,9 +107,13 @@ class ContinuousSearch:
         from attnmt.generation.generator import collate
         from attnmt.models.transformer import EncoderOut
 
+        keys = list(keys)
+        if len(keys) != len(sources):
+            raise ValueError(f"{len(sources)} sources but {len(keys)} keys")
         if not sources:
             return
         g = self.generator
+        sources = [g.check_length(list(map(int, s)), i, "sources") for i, s in enumerate(sources)]
         t0 = time.perf_counter()
         with torch.inference_mode(), g.autocast():
             src, lengths = collate(sources, self.sym.pad, self.device)

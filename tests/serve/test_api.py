@@ -188,3 +188,23 @@ def test_on_a_gpu_the_api_and_the_service_give_the_commands_translations(ckpt):
         assert s.request("/health")[1]["device"].startswith("cuda")
     finally:
         assert s.stop() == 0
+
+
+def test_a_continuous_search_gives_translates_results(translator):
+    lines = sentence_lines(20, 31)
+    ids = translator.encode_batch(lines)
+    stream = translator.continuous_search(nbest=2)
+    got: dict[int, object] = {}
+    for i in range(0, len(ids), 3):  # three sentences join at each step
+        stream.add(ids[i:i + 3], range(i, min(i + 3, len(ids))))
+        for k, hyps in stream.step():
+            got[k] = translator.finish(ids[k], hyps, details=True, nbest=2)
+    while stream.size:
+        for k, hyps in stream.step():
+            got[k] = translator.finish(ids[k], hyps, details=True, nbest=2)
+    want = translator.translate(lines, nbest=2, details=True)
+    assert [[h.text for h in got[i].hypotheses] for i in range(len(lines))] == [[h.text for h in w.hypotheses]
+                                                                               for w in want]
+    assert [got[i].score for i in range(len(lines))] == pytest.approx([w.score for w in want], abs=1e-5)
+    with pytest.raises(UserError, match="continuous batching does not take the sampling search"):
+        translator.continuous_search(sampling=True)

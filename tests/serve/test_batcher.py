@@ -169,3 +169,124 @@ def test_after_a_call_the_loop_waits_for_its_clients_next_sentences():
 
     assert round_trips(0.5)[-1] == 3
     assert round_trips(0.0)[-3:] == [1, 1, 1]
+
+
+# ------------------------------------------------------------------------------------------ continuous batching
+
+
+class FakeSearch:
+    """A running search whose sentence ``[n, ...]`` takes ``n`` steps and translates to ``[x * 10 ...]``; records
+    the sentences in flight at each step. ``fail_on``: a step with this sentence in flight raises."""
+
+    def __init__(self, fail_on: int | None = None):
+        self.flight: dict = {}  # key -> (sentence, steps left)
+        self.sizes: list[int] = []
+        self.fail_on = fail_on
+
+    @property
+    def size(self) -> int:
+        return len(self.flight)
+
+    def add(self, sources, keys):
+        for s, k in zip(sources, keys):
+            self.flight[k] = (s, s[0])
+
+    def step(self):
+        self.sizes.append(self.size)
+        if any(s[0] == self.fail_on for s, _ in self.flight.values()):
+            raise RuntimeError("boom")
+        done = []
+        for k, (s, left) in list(self.flight.items()):
+            if left <= 1:
+                done.append((k, [x * 10 for x in s]))
+                del self.flight[k]
+            else:
+                self.flight[k] = (s, left - 1)
+        return done
+
+
+def stream_job(loop, sources, search: FakeSearch, key=("k",), order: list | None = None):
+    def finish(ids, hyps):
+        if order is not None:
+            order.append(ids[0])
+        return hyps
+
+    return Job(sources=sources, key=key, run=None, future=loop.create_future(), loop=loop,
+               stream=lambda: search, finish=finish)
+
+
+def test_sentences_join_the_running_search_and_leave_it_when_done():
+    """A short sentence sent after a long one is answered first; at most max_batch sentences are in flight."""
+    search, order = FakeSearch(), []
+    b = Batcher(max_batch=3, batch_wait=0.0, max_queue=100)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        jobs = [stream_job(loop, s, search, order=order) for s in ([[9]], [[5], [2]], [[1]], [[3]])]
+        for j in jobs:
+            b.submit(j)
+        return await asyncio.gather(*(j.future for j in jobs))
+
+    assert asyncio.run(main()) == [[[90]], [[50], [20]], [[10]], [[30]]]
+    b.stop()
+    assert order.index(1) < order.index(9) and order.index(2) < order.index(5)
+    assert max(search.sizes) == 3  # the job of one sentence joined once a place was free
+    assert (b.stats.sentences, b.stats.steps) == (5, len(search.sizes))
+    assert b.stats.step_sentences == sum(search.sizes)
+
+
+def test_jobs_of_other_options_wait_until_the_running_search_drains():
+    searches = {("a",): FakeSearch(), ("b",): FakeSearch()}
+    order: list[int] = []
+    b = Batcher(max_batch=8, batch_wait=0.0, max_queue=100)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        jobs = [stream_job(loop, s, searches[k], key=k, order=order) for s, k in
+                (([[4]], ("a",)), ([[1]], ("b",)), ([[2]], ("a",)))]
+        for j in jobs:
+            b.submit(j)
+        got = await asyncio.gather(*(j.future for j in jobs[:2]))
+        b.submit(late := stream_job(loop, [[3]], searches[("a",)], key=("a",), order=order))
+        return got + [await jobs[2].future, await late.future]
+
+    assert asyncio.run(main()) == [[[40]], [[10]], [[20]], [[30]]]
+    b.stop()
+    assert order[:3] == [2, 4, 1]  # the "b" job waited until the "a" jobs taken with the first one were done
+    assert searches[("a",)].sizes[:4] == [2, 2, 1, 1] and searches[("b",)].sizes == [1]
+
+
+def test_a_failing_search_fails_its_jobs_and_the_loop_goes_on():
+    failing = FakeSearch(fail_on=7)
+    b = Batcher(max_batch=8, batch_wait=0.0, max_queue=100)
+
+    async def main(search, groups):
+        loop = asyncio.get_running_loop()
+        jobs = [stream_job(loop, g, search) for g in groups]
+        for j in jobs:
+            b.submit(j)
+        return await asyncio.gather(*(j.future for j in jobs), return_exceptions=True)
+
+    out = asyncio.run(main(failing, [[[3]], [[7]]]))
+    assert all(isinstance(o, RuntimeError) for o in out)
+    assert asyncio.run(main(FakeSearch(), [[[2]]])) == [[[20]]]  # a fresh search for the next jobs
+    b.stop()
+
+
+def test_stop_finishes_the_sentences_in_flight_and_the_queued_ones():
+    search = FakeSearch()
+    b = Batcher(max_batch=1, batch_wait=0.0, max_queue=100)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        jobs = [stream_job(loop, [[k]], search) for k in (3, 2, 1)]
+        for j in jobs:
+            b.submit(j)
+        await asyncio.sleep(0)
+        stopper = threading.Thread(target=b.stop)
+        stopper.start()
+        got = await asyncio.gather(*(j.future for j in jobs))
+        stopper.join()
+        return got
+
+    assert asyncio.run(main()) == [[[30]], [[20]], [[10]]]
