@@ -6,13 +6,14 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_17_x86_64 -d .gpu/whl sacremoses==0.1.1
 #   WMT: newstest2014 x10 as train, its first 500 lines as valid, SentencePiece 16k joined -> .gpu/data/wmt-bin
-#   Multi30k: train/val/test_2016_flickr, SentencePiece 8k joined -> .gpu/data/m30k-bin; its German test -> .gpu/data/test.de
+#   Multi30k: train/val/test_2016_flickr, SentencePiece 8k joined -> .gpu/data/m30k-bin; its German test -> .gpu/data/test.de,
+#   its English test -> .gpu/data/test.en
 # Then: bash benchmarks/gpu_check.sh (results under $OUT). STEPS chooses the parts (default: all, in this order).
 set -u
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 R=$(pwd); G=$R/.gpu
-STEPS=${STEPS:-train generate valid compile tests}
+STEPS=${STEPS:-train generate serve valid compile tests}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site $G/whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site
 # the checkout (after) and the tree before, each with cli/ placed as attnmt/cli (no install)
@@ -52,6 +53,13 @@ EOF
   tail -1 /tmp/g.log | cut -c1-200
   (cd /tmp/after && PYTHONPATH=/tmp/site:/tmp/after $A score --ref $G/data/test.de --sys /tmp/h.de | tail -1 | cut -c1-100)
   t generate done
+fi
+if has serve; then  # after generate (its model): static calls against continuous batching, in one process
+  for n in 32 128; do
+    (cd /tmp/after && PYTHONPATH=/tmp/site:/tmp/after timeout 100 python3 benchmarks/continuous_batching.py \
+      --path /tmp/cks/checkpoint_last.pt --input $G/data/test.en --in-flight $n --rounds 2 device=cuda 2>&1 | tail -7)
+  done | tee $OUT/serve.txt
+  t serve done
 fi
 if has valid; then
   echo "== valid loss after 200 updates of transformer bf16 (lr 1e-3, 100 warm-up), seeds 1 and 2 as before, 1 after"

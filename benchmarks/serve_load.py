@@ -190,7 +190,7 @@ def main() -> None:
         r["vs_translate"] = r["sentences_per_s"] / r["translate"]
     print(f"\nservice alive at the end: {alive}; exit code after SIGTERM: {code}\n")
     print("| clients | sentences/s | vs `attnmt translate` | p50 ms | p95 ms | p99 ms | failed | sentences per "
-          "decoding call | decoder busy |")
+          "search step (continuous) or call (static) | decoder busy |")
     print("|---|---|---|---|---|---|---|---|---|")
     print(f"| `attnmt translate` ({', '.join(f'{y:.1f}' for y in yard)}) | {statistics.median(yard):.1f} | 1.00 "
           f"| | | | | | |")
@@ -236,6 +236,10 @@ def run_level(host: str, port: int, sentences: list[str], n: int, warmup: float,
            "p50_ms": 1000 * percentile(lat, 0.5), "p95_ms": 1000 * percentile(lat, 0.95),
            "p99_ms": 1000 * percentile(lat, 0.99), "failed": sum(c.failed for c in clients),
            "mean_batch": (after["sentences"] - before["sentences"]) / batches, "decoder_busy": busy / wall}
+    steps = after.get("search_steps", 0) - before.get("search_steps", 0)
+    if steps:  # continuous batching: the sentences each search step decoded
+        row["mean_batch"] = (after["search_step_sentences"] - before["search_step_sentences"]) / steps
+        row["ms_per_step"] = 1000 * busy / steps
     if bad:
         status: dict[int, int] = {}
         for b in bad:

@@ -42,7 +42,6 @@ from attnmt.generation.search import (
 from attnmt.models.kernels import DecodingKernels
 
 
-
 def unsupported(generator) -> str | None:
     """Why ``generator``'s model and search cannot be batched continuously (None: they can)."""
     from attnmt.registry import get, load_builtins

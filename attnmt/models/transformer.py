@@ -42,9 +42,9 @@ from attnmt.models.dropout import dropout as dropout_weights
 from attnmt.models.incremental import SlotCache
 from attnmt.models.interface import DecoderCache, EncoderDecoderModel, LayerCache
 from attnmt.models.kernels import DecodingKernels, TrainingAttention
-from attnmt.models.pool import PoolCache
 from attnmt.models.linear import Linear
 from attnmt.models.packing import PackedRows, RowPacking, SentenceRows, is_prefix
+from attnmt.models.pool import PoolCache
 from attnmt.models.tuning import AttentionKernel, DropoutKernel
 from attnmt.registry import register
 

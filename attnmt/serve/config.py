@@ -13,11 +13,12 @@ class ServeConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "Address to listen on (0.0.0.0: every interface)."})
     port: int = field(default=5000, metadata={"min": 0, "max": 65535,
                                               "help": "Port to listen on (0: a free one, printed at start)."})
-    batching: Literal["continuous", "static"] = field(default="continuous", metadata={
-        "help": "continuous: a request's sentences join the running search at its next step and leave it as soon as "
-                "they are translated; static: the sentences waiting are searched together as one batch, which runs "
-                "until its longest sentence ends. Continuous needs beam search (or greedy) with one model, without "
-                "--no-repeat-ngram-size or a negative --unkpen; other options are batched statically."})
+    batching: Literal["static", "continuous"] = field(default="static", metadata={
+        "help": "static: the sentences waiting are searched together as one batch, which runs until its longest "
+                "sentence ends; continuous: a request's sentences join the running search at its next step and leave "
+                "it as soon as they are translated (beam search or greedy with one model, without "
+                "--no-repeat-ngram-size or a negative --unkpen; other options are batched statically). On a CPU "
+                "whose cores also serve the HTTP side, static is faster (docs/serving.md)."})
     max_batch: int = field(default=256, metadata={
         "min": 1, "help": "Most sentences of concurrent requests translated together (continuous: in flight at "
                           "once); --max-tokens still cuts static batches into search batches."})

@@ -30,9 +30,11 @@ def translator(ckpt):
         yield t
 
 
-@pytest.fixture(scope="module")
-def service(ckpt):
-    s = Service(ckpt, "--max-len-b", "12", "--max-request-sentences", "8", "--max-request-bytes", "4096")
+@pytest.fixture(scope="module", params=["static", "continuous"])
+def service(ckpt, request):
+    s = Service(ckpt, "--max-len-b", "12", "--max-request-sentences", "8", "--max-request-bytes", "4096",
+                "--batching", request.param)
+    s.batching = request.param
     yield s
     assert s.stop() == 0, "\n".join(s.lines)
 
@@ -95,11 +97,14 @@ def test_concurrent_clients_are_batched_together_and_each_gets_its_own_answer(se
     assert answers == expected
     after = service.request("/metrics?format=json")[1]
     sentences = after["sentences"] - before["sentences"]
-    steps = after["search_steps"] - before["search_steps"]
-    together = (after["search_step_sentences"] - before["search_step_sentences"]) / steps
     assert sentences == 96
-    # continuous batching: the clients' sentences are decoded in the same steps
-    assert together > 4, f"{together:.1f} sentences per search step from 24 clients: no batching"
+    if service.batching == "static":
+        batches = after["batches"] - before["batches"]
+        assert batches < 96 / 2, f"{batches} decoding calls for 96 sentences from 24 clients: no batching"
+    else:  # the clients' sentences are decoded in the same steps of the running search
+        steps = after["search_steps"] - before["search_steps"]
+        together = (after["search_step_sentences"] - before["search_step_sentences"]) / steps
+        assert together > 4, f"{together:.1f} sentences per search step from 24 clients: no batching"
 
 
 BAD = [
@@ -190,3 +195,15 @@ def test_the_page_is_served_at_the_root(service):
     assert status == 200 and headers["content-type"].startswith("text/html")
     for element in ('id="source"', 'id="translate"', 'id="translation"', 'id="show-attention"', "/v1/translate"):
         assert element in page
+
+
+def test_options_continuous_batching_does_not_take_are_batched_statically_and_said_so(ckpt):
+    s = Service(ckpt, "--max-len-b", "12", "--batching", "continuous", "--sampling", "--beam", "2")
+    try:
+        status, body, _ = s.request("/translate", {"q": sentence_lines(1, 40)[0], "source": "en", "target": "de"})
+        assert status == 200 and isinstance(body["translatedText"], str)
+        assert s.request("/metrics?format=json")[1]["search_steps"] == 0
+    finally:
+        assert s.stop() == 0
+    assert any("continuous batching does not take the sampling search: batching statically" in line
+               for line in s.lines), "\n".join(s.lines)
