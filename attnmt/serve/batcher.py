@@ -2,8 +2,8 @@
 
 Requests put their sentences on one queue, and the decoding loop searches them in one of two ways.
 
-**Continuous batching** (jobs with a ``stream``: the default of ``attnmt serve``): a job's sentences join a running
-search (:class:`~attnmt.generation.continuous.ContinuousSearch`) at its next step, as long as at most
+**Continuous batching** (jobs with a ``stream``: ``attnmt serve --batching continuous``): a job's sentences join a
+running search (:class:`~attnmt.generation.continuous.ContinuousSearch`) at its next step, as long as at most
 ``max_batch`` sentences are in flight, and each sentence leaves it as soon as its translation is final; a job is
 answered once all of its sentences are. Every step thus decodes all the sentences in flight, whatever their
 arrival, and a short sentence is not held back by a long one. Jobs of other search options wait at the head of
