@@ -162,9 +162,9 @@ class Translator:
         """A running search of these search options that sentences join and leave step by step (continuous
         batching, what ``attnmt serve --batching continuous`` runs): ``add(sources, keys)`` encoded sentences at
         any time, then ``step()`` until ``size`` is 0, each step returning the ``(key, hypotheses)`` it finished;
-        :meth:`finish` turns hypotheses into what ``translate`` returns. Each translation is the one ``translate``
-        gives. Use it from one thread. Raises :class:`UserError` where the model or the options need static
-        batches (:meth:`continuous_unsupported`)."""
+        :meth:`finish` turns hypotheses into what ``translate`` returns. In fp32 each translation is the one
+        ``translate`` gives. Use it from one thread. Raises :class:`UserError` where the model or the options need
+        static batches (:meth:`continuous_unsupported`)."""
         from attnmt.generation.continuous import ContinuousSearch
 
         reason = self.continuous_unsupported(**search)

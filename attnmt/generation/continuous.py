@@ -10,7 +10,8 @@ position (the decoder's pool cache, :mod:`attnmt.models.pool`).
 
 Each sentence is searched exactly as :class:`~attnmt.generation.beam.BeamSearch` searches it: the same
 candidates, rules, length limits and early stop, per sentence; only the other rows of the decoder's products
-differ, so the translations are the static search's (scores equal up to rounding).
+differ, so in fp32 the translations are the static search's (scores equal up to rounding); bf16 and int8 products
+round with the batch's shape (int8 quantizes each product's activations with one scale), as static batchings do.
 
 Beam search and greedy decoding (beam 1) of one model, without n-gram blocking or a rewarded unknown word
 (``--unkpen`` < 0); :func:`unsupported` says why another configuration is not taken (the caller then batches
