@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from helpers import make_data_bin
+from helpers import make_checkpoint, make_data_bin, sentence_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,3 +32,15 @@ def test_kernel_choices_runs_its_int8_comparison_where_the_cpu_has_it():
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("int8 (")]
     assert len(lines) == (7 if capabilities.cpu().onednn_int8 else 0), r.stdout
     assert all("bf16 packed" in ln and "int8 with quantization" in ln for ln in lines)
+
+
+def test_the_continuous_batching_benchmark_finds_translates_translations(tmp_path):
+    ckpt = make_checkpoint(tmp_path)
+    src = tmp_path / "src.en"
+    src.write_text("\n".join(sentence_lines(30, 3)) + "\n", encoding="utf-8")
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "continuous_batching.py"), "--path", str(ckpt),
+                        "--input", str(src), "--sentences", "40", "--in-flight", "6", "--rounds", "1", "threads=1",
+                        "max_len_b=12"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "| continuous, 6 in flight |" in r.stdout and "| static calls of 6 |" in r.stdout
+    assert "continuous translations equal to translate's: 40/40" in r.stdout, r.stdout
