@@ -212,41 +212,65 @@ class ContinuousSearch:
         return out
 
     def _extensions(self, feats: Tensor, row_steps: Tensor, row_max_len: Tensor):
-        """Every sentence's best extensions (as ``next_token_extensions``), each row at its own step."""
-        cfg, K, kernels, sym = self.cfg, self.K, self.kernels, self.sym
-        R = feats.size(0)
-        block_rows = max(1, kernels.score_rows // K) * K
+        """Every sentence's best extensions (as ``next_token_extensions``), each row at its own step.
+
+        The sentences that joined since the last step are the last ones (a sentence joins at the end, and every
+        step advances all); they are scored as the static search scores its first step, from one row each (their
+        rows start alike), so that their numbers are its numbers in every precision.
+        """
+        K = self.K
+        fresh = int((self.steps == 0).sum())
+        old = feats.size(0) - fresh * K
         scores = self.scores.view(-1)
         parts = []
-        for a in range(0, R, block_rows):
-            b = min(a + block_rows, R)
+        if old:
+            parts.append(self._score(feats[:old], row_steps[:old], row_max_len[:old], scores[:old], 1))
+        if fresh:
+            parts.append(self._score(feats[old::K], None, row_max_len[old::K], scores[old:], K))
+        if len(parts) == 1:
+            return parts[0]
+        return tuple(torch.cat(p) for p in zip(*parts))
+
+    def _score(self, feats: Tensor, steps: Tensor | None, limits: Tensor, scores: Tensor, every: int):
+        """Best extensions of rows ``feats`` at ``steps`` (None: each sentence's first step, one row given per
+        sentence, ``every`` = beam rows standing for it), about ``score_rows`` rows at a time."""
+        cfg, K, kernels, sym = self.cfg, self.K, self.kernels, self.sym
+        n = feats.size(0)
+        block_rows = max(1, kernels.score_rows // K) * K // every
+        parts = []
+        for a in range(0, n, block_rows):
+            b = min(a + block_rows, n)
             block = feats[a:b]
             if b - a < block_rows and kernels.row_bucket is not None:
                 block = torch.cat([block, block.new_zeros(kernels.row_bucket(b - a) - (b - a), block.size(1))])
             logits = self.model.output_layer(block)[: b - a]
-            steps, limits = row_steps[a:b], row_max_len[a:b]
+            lo, hi = a * every, b * every  # the rows of ``scores``
             V = logits.size(1)
-            if (kernels.scores is not None and kernels.blockwise_topk and V // TOPK_BLOCK > min(2 * K, K * V)
-                    and kernels.scores.supports(logits) and not bool((limits <= steps).any())):
+            if (steps is not None and kernels.scores is not None and kernels.blockwise_topk
+                    and V // TOPK_BLOCK > min(2 * K, K * V) and kernels.scores.supports(logits)
+                    and not bool((limits[a:b] <= steps[a:b]).any())):
                 if self._bias is None:  # the rules every row shares (EOS is barred per row below)
                     self._bias = token_bias(V, cfg.min_len, cfg, sym, logits.device)
                 maxima, lse = kernels.scores.logsumexp_blocks(logits, self._bias, TOPK_BLOCK)
-                young = steps < cfg.min_len
+                young = steps[a:b] < cfg.min_len
                 no_eos = None
                 if bool(young.any()):
                     no_eos = young
                     blk = sym.eos // TOPK_BLOCK
                     if blk < maxima.size(1):  # the EOS block's maxima without EOS, for the barred rows
                         rows = young.nonzero(as_tuple=True)[0]
-                        lo = blk * TOPK_BLOCK
-                        seg = logits[rows, lo:lo + TOPK_BLOCK].float() + self._bias[lo:lo + TOPK_BLOCK]
-                        seg[:, sym.eos - lo] = NEG_INF
+                        start = blk * TOPK_BLOCK
+                        seg = logits[rows, start:start + TOPK_BLOCK].float() + self._bias[start:start + TOPK_BLOCK]
+                        seg[:, sym.eos - start] = NEG_INF
                         maxima[rows, blk] = seg.amax(dim=1)
                 norm = Normalizer(self._bias, maxima, lse, no_eos, sym.eos)
-                parts.append(best_extensions(logits, scores[a:b], K, normalizer=norm))
+                parts.append(best_extensions(logits, scores[lo:hi], K, normalizer=norm))
                 continue
-            lprobs = step_log_probs(logits, steps, limits, None, cfg, sym, keep_bf16=kernels.low_precision_scores)
-            parts.append(best_extensions(lprobs, scores[a:b], K, cfg.unkpen >= 0, kernels.blockwise_topk,
+            step = 0 if steps is None else steps[a:b]
+            lprobs = step_log_probs(logits, step, limits[a:b], None, cfg, sym, keep_bf16=kernels.low_precision_scores)
+            if every > 1:
+                lprobs = lprobs.repeat_interleave(every, dim=0)
+            parts.append(best_extensions(lprobs, scores[lo:hi], K, cfg.unkpen >= 0, kernels.blockwise_topk,
                                          maxima_of=kernels.block_maxima))
         if len(parts) == 1:
             return parts[0]
