@@ -332,7 +332,8 @@ class CompiledStepAttention(StepAttention):
 
     def self_attention(self, q: Tensor, k: Tensor, v: Tensor, k_buf: Tensor, v_buf: Tensor, rows: StepRows,
                        position: int | Tensor, ancestors: Tensor | None, ancestor_rows: int) -> Tensor:
-        longest = int(position.max()) + 1 if isinstance(position, Tensor) else position + 1
+        # per-sentence positions: the kernel reads each sentence's own count; the buffers' length bounds them
+        longest = k_buf.size(2) // rows.beam if isinstance(position, Tensor) else position + 1
         return self._run(q, k_buf, v_buf, rows, longest, ancestors=ancestors, ancestor_rows=ancestor_rows,
                          k=k, v=v, position=position)
 

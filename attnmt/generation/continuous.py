@@ -29,16 +29,13 @@ from torch import Tensor
 from attnmt.generation.beam import BeamSearch, _options
 from attnmt.generation.search import (
     NEG_INF,
-    TOPK_BLOCK,
     Finished,
     Hypothesis,
-    Normalizer,
-    best_extensions,
+    finalize,
     max_lengths,
     max_target_positions,
+    score_extensions,
     score_upper_bound,
-    step_log_probs,
-    token_bias,
 )
 from attnmt.models.kernels import DecodingKernels
 
@@ -93,7 +90,6 @@ class ContinuousSearch:
         self.tokens = torch.zeros(0, 2, dtype=torch.long, device=dev)  # column t + 1: token t; column 0: start
         self.pos_scores = torch.zeros(0, 2, device=dev)
         self.joining = None  # the encoder output of the sentences added since the last step
-        self._bias: Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -177,7 +173,9 @@ class ContinuousSearch:
         if self.beam_stop:  # fairseq's rule: only EOS extensions among the `beam` best finish a hypothesis
             fin[:, K:] = False
         if bool(fin.any()):
-            self._finalize(*fin.nonzero(as_tuple=True), beam_i, top_lp, top_s)
+            local, c = fin.nonzero(as_tuple=True)
+            finalize(self.finished, self.kth_best, range(A), local, local * K + beam_i[local, c], self.tokens,
+                     self.pos_scores, self.steps[local], top_lp[local, c], top_s[local, c], cfg.length_penalty, eos)
         C = top_s.size(1)
         sel = (is_eos.long() * C + torch.arange(C, device=dev)).topk(K, dim=1, largest=False).indices
         new_s, new_tok, new_lp = top_s.gather(1, sel), tok.gather(1, sel), top_lp.gather(1, sel)
@@ -218,81 +216,20 @@ class ContinuousSearch:
         step advances all); they are scored as the static search scores its first step, from one row each (their
         rows start alike), so that their numbers are its numbers in every precision.
         """
-        K = self.K
+        K, cfg, sym, kernels = self.K, self.cfg, self.sym, self.kernels
         fresh = int((self.steps == 0).sum())
         old = feats.size(0) - fresh * K
         scores = self.scores.view(-1)
         parts = []
         if old:
-            parts.append(self._score(feats[:old], row_steps[:old], row_max_len[:old], scores[:old], 1))
+            parts.append(score_extensions(self.model, feats[:old], row_steps[:old], row_max_len[:old], None,
+                                          scores[:old], K, cfg, sym, kernels))
         if fresh:
-            parts.append(self._score(feats[old::K], None, row_max_len[old::K], scores[old:], K))
+            parts.append(score_extensions(self.model, feats[old::K], 0, row_max_len[old:], None, scores[old:], K,
+                                          cfg, sym, kernels, per=1))
         if len(parts) == 1:
             return parts[0]
         return tuple(torch.cat(p) for p in zip(*parts))
-
-    def _score(self, feats: Tensor, steps: Tensor | None, limits: Tensor, scores: Tensor, every: int):
-        """Best extensions of rows ``feats`` at ``steps`` (None: each sentence's first step, one row given per
-        sentence, ``every`` = beam rows standing for it), about ``score_rows`` rows at a time."""
-        cfg, K, kernels, sym = self.cfg, self.K, self.kernels, self.sym
-        n = feats.size(0)
-        block_rows = max(1, kernels.score_rows // K) * K // every
-        parts = []
-        for a in range(0, n, block_rows):
-            b = min(a + block_rows, n)
-            block = feats[a:b]
-            if b - a < block_rows and kernels.row_bucket is not None:
-                block = torch.cat([block, block.new_zeros(kernels.row_bucket(b - a) - (b - a), block.size(1))])
-            logits = self.model.output_layer(block)[: b - a]
-            lo, hi = a * every, b * every  # the rows of ``scores``
-            V = logits.size(1)
-            if (steps is not None and kernels.scores is not None and kernels.blockwise_topk
-                    and V // TOPK_BLOCK > min(2 * K, K * V) and kernels.scores.supports(logits)
-                    and not bool((limits[a:b] <= steps[a:b]).any())):
-                if self._bias is None:  # the rules every row shares (EOS is barred per row below)
-                    self._bias = token_bias(V, cfg.min_len, cfg, sym, logits.device)
-                maxima, lse = kernels.scores.logsumexp_blocks(logits, self._bias, TOPK_BLOCK)
-                young = steps[a:b] < cfg.min_len
-                no_eos = None
-                if bool(young.any()):
-                    no_eos = young
-                    blk = sym.eos // TOPK_BLOCK
-                    if blk < maxima.size(1):  # the EOS block's maxima without EOS, for the barred rows
-                        rows = young.nonzero(as_tuple=True)[0]
-                        start = blk * TOPK_BLOCK
-                        seg = logits[rows, start:start + TOPK_BLOCK].float() + self._bias[start:start + TOPK_BLOCK]
-                        seg[:, sym.eos - start] = NEG_INF
-                        maxima[rows, blk] = seg.amax(dim=1)
-                norm = Normalizer(self._bias, maxima, lse, no_eos, sym.eos)
-                parts.append(best_extensions(logits, scores[lo:hi], K, normalizer=norm))
-                continue
-            step = 0 if steps is None else steps[a:b]
-            lprobs = step_log_probs(logits, step, limits[a:b], None, cfg, sym, keep_bf16=kernels.low_precision_scores)
-            if every > 1:
-                lprobs = lprobs.repeat_interleave(every, dim=0)
-            parts.append(best_extensions(lprobs, scores[lo:hi], K, cfg.unkpen >= 0, kernels.blockwise_topk,
-                                         maxima_of=kernels.block_maxima))
-        if len(parts) == 1:
-            return parts[0]
-        return tuple(torch.cat(p) for p in zip(*parts))
-
-    def _finalize(self, local: Tensor, c: Tensor, beam_i: Tensor, top_lp: Tensor, top_s: Tensor) -> None:
-        """Finish the hypotheses extended by EOS: candidate ``c`` of sentence ``local`` (as ``finalize``, each
-        sentence at its own step)."""
-        K, eos, penalty = self.K, self.sym.eos, self.cfg.length_penalty
-        rows = local * K + beam_i[local, c]
-        steps = self.steps[local].tolist()
-        lp = torch.tensor([penalty(float(n + 1)) for n in steps], dtype=top_s.dtype, device=top_s.device)
-        final = (top_s[local, c] / lp).tolist()  # rounded as the static search rounds it
-        eos_lp = top_lp[local, c].tolist()
-        toks, ps = self.tokens[rows].tolist(), self.pos_scores[rows].tolist()
-        updates: dict[int, float] = {}
-        for m, a in enumerate(local.tolist()):
-            n = steps[m]
-            updates[a] = self.finished.add(a, Hypothesis(toks[m][1:n + 1] + [eos], final[m], ps[m][:n] + [eos_lp[m]]))
-        idx = torch.tensor(list(updates), device=self.kth_best.device)
-        self.kth_best[idx] = torch.tensor(list(updates.values()), dtype=self.kth_best.dtype,
-                                          device=self.kth_best.device)
 
 
 def _pad_to(x: Tensor, width: int, value) -> Tensor:

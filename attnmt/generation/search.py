@@ -350,7 +350,7 @@ def best_extensions(lprobs: Tensor, scores: Tensor, beam: int, nonpositive: bool
     return top_s, cand_lp.gather(1, j), off // V - first_row, off % V
 
 
-def _normalize_in_kernel(logits: Tensor, step: int, per: int, beam: int, max_len: Tensor, cfg: SearchConfig,
+def _normalize_in_kernel(logits: Tensor, step: int | Tensor, per: int, beam: int, max_len: Tensor, cfg: SearchConfig,
                          kernels: DecodingKernels) -> bool:
     """Whether the backend's score kernel serves this block: the block scan over more than ``2 * beam`` blocks,
     rules that are the same for every row (no n-gram blocking, no row at its length limit), and a row per
@@ -377,6 +377,22 @@ def next_token_extensions(model, tokens: Tensor, step: int, enc, cache, max_len:
     per = 1 if step == 0 else beam  # the first step decodes one row per sentence: its hypotheses start alike
     prev = tokens[::beam // per, step:step + 1]
     feats = model.decode_features(prev, enc, cache)[:, -1]  # (R or A, D)
+    return score_extensions(model, feats, step, max_len, tokens[:, 1:step + 1], scores, beam, cfg, sym, kernels, per)
+
+
+def score_extensions(model, feats: Tensor, step: int | Tensor, max_len: Tensor, generated: Tensor | None,
+                     scores: Tensor, beam: int, cfg: SearchConfig, sym: Symbols, kernels: DecodingKernels,
+                     per: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``best_extensions`` of decoder features ``feats`` under the search's rules, projected to the vocabulary a
+    block of rows at a time (see :func:`next_token_extensions`).
+
+    ``feats`` holds ``per`` rows per sentence: ``beam``, or 1 where a sentence's hypotheses start alike (its first
+    step; the row stands for all of them); ``max_len``, ``generated`` and ``scores`` have ``beam`` rows per
+    sentence. ``step``: the tokens generated so far, or (R,) each row's when the sentences are at different steps
+    (continuous batching; no n-gram blocking then: ``generated`` None): the score kernel then bars EOS per row
+    before ``--min-len``.
+    """
+    per = beam if per is None else per
     rows = max(1, kernels.score_rows // beam) * per
     bias = None
     parts = []
@@ -387,14 +403,18 @@ def next_token_extensions(model, tokens: Tensor, step: int, enc, cache, max_len:
             block = torch.cat([block, block.new_zeros(kernels.row_bucket(b - a) - (b - a), block.size(1))])
         lo, hi, every = a * beam // per, b * beam // per, beam // per  # the block's rows of the full arrays
         logits = model.output_layer(block)[: b - a]
-        if _normalize_in_kernel(logits, step, per, beam, max_len[lo:hi], cfg, kernels):
-            if bias is None:
-                bias = token_bias(logits.size(1), step, cfg, sym, logits.device)
+        st = step if isinstance(step, int) else step[lo:hi:every]
+        if _normalize_in_kernel(logits, st, per, beam, max_len[lo:hi], cfg, kernels):
+            if bias is None:  # with per-row steps, EOS is barred per row below
+                bias = token_bias(logits.size(1), step if isinstance(step, int) else cfg.min_len, cfg, sym,
+                                  logits.device)
             maxima, lse = kernels.scores.logsumexp_blocks(logits, bias, TOPK_BLOCK)
-            parts.append(best_extensions(logits, scores[lo:hi], beam, normalizer=Normalizer(bias, maxima, lse)))
+            no_eos = None if isinstance(st, int) else _bar_eos(logits, st, maxima, bias, cfg.min_len, sym.eos)
+            parts.append(best_extensions(logits, scores[lo:hi], beam,
+                                         normalizer=Normalizer(bias, maxima, lse, no_eos, sym.eos)))
             continue
-        lprobs = step_log_probs(logits, step, max_len[lo:hi:every], tokens[lo:hi:every, 1:step + 1], cfg, sym,
-                                keep_bf16=kernels.low_precision_scores)
+        lprobs = step_log_probs(logits, st, max_len[lo:hi:every], None if generated is None else generated[lo:hi:every],
+                                cfg, sym, keep_bf16=kernels.low_precision_scores)
         if per != beam:
             lprobs = lprobs.repeat_interleave(beam // per, dim=0)
         parts.append(best_extensions(lprobs, scores[lo:hi], beam, cfg.unkpen >= 0, kernels.blockwise_topk,
@@ -402,6 +422,22 @@ def next_token_extensions(model, tokens: Tensor, step: int, enc, cache, max_len:
     if len(parts) == 1:
         return parts[0]
     return tuple(torch.cat(p) for p in zip(*parts))
+
+
+def _bar_eos(logits: Tensor, steps: Tensor, maxima: Tensor, bias: Tensor, min_len: int, eos: int) -> Tensor | None:
+    """The rows before ``--min-len`` (their EOS is barred), with their EOS block's maxima taken without EOS
+    (in place); None when there are none."""
+    young = steps < min_len
+    if not bool(young.any()):
+        return None
+    blk = eos // TOPK_BLOCK
+    if blk < maxima.size(1):
+        rows = young.nonzero(as_tuple=True)[0]
+        start = blk * TOPK_BLOCK
+        seg = logits[rows, start:start + TOPK_BLOCK].float() + bias[start:start + TOPK_BLOCK]
+        seg[:, eos - start] = NEG_INF
+        maxima[rows, blk] = seg.amax(dim=1)
+    return young
 
 
 # ------------------------------------------------------------------------------------------------ bookkeeping
@@ -422,22 +458,29 @@ class Finished:
         return lst[-1].score if len(lst) == self.nbest else NEG_INF
 
 
-def finalize(finished: Finished, kth_best: Tensor, sent_ids: list[int], local: Tensor, rows: Tensor,
-              tokens: Tensor, pos_scores: Tensor, step: int, eos_lp: Tensor, cum: Tensor, penalty: LengthPenalty,
-              eos: int) -> None:
-    """Finish the prefixes in ``rows`` (``step`` tokens each) with EOS.
+def finalize(finished: Finished, kth_best: Tensor, sent_ids, local: Tensor, rows: Tensor,
+              tokens: Tensor, pos_scores: Tensor, step: int | Tensor, eos_lp: Tensor, cum: Tensor,
+              penalty: LengthPenalty, eos: int) -> None:
+    """Finish the prefixes in ``rows`` (``step`` tokens each, or (n,) each row's) with EOS.
 
     ``local``: each row's sentence among the active ones; ``sent_ids``: active sentence -> position in the batch;
     ``eos_lp``/``cum``: the EOS log-probability and the cumulative log-probability with it. Updates ``kth_best``
     (per active sentence, the score a live hypothesis must beat) in place.
     """
-    toks = tokens[rows, 1:step + 1].tolist()
-    ps = pos_scores[rows, :step].tolist()
-    final = (cum / penalty(float(step + 1))).tolist()
+    if isinstance(step, Tensor):  # rows at different steps: each row's penalty, rounded as a single one is
+        lengths = step.tolist()
+        lp = torch.tensor([penalty(float(n + 1)) for n in lengths], dtype=cum.dtype, device=cum.device)
+        width = max(lengths)
+    else:
+        lengths, lp, width = [step] * rows.numel(), penalty(float(step + 1)), step
+    toks = tokens[rows, 1:width + 1].tolist()
+    ps = pos_scores[rows, :width].tolist()
+    final = (cum / lp).tolist()
     eos_lps = eos_lp.tolist()
     updates: dict[int, float] = {}
     for m, a in enumerate(local.tolist()):
-        hyp = Hypothesis(toks[m] + [eos], final[m], ps[m] + [eos_lps[m]])
+        n = lengths[m]
+        hyp = Hypothesis(toks[m][:n] + [eos], final[m], ps[m][:n] + [eos_lps[m]])
         updates[a] = finished.add(sent_ids[a], hyp)
     if updates:
         idx = torch.tensor(list(updates), device=kth_best.device)
