@@ -8,7 +8,9 @@
 #   WMT: newstest2014 x10 as train, its first 500 lines as valid, SentencePiece 16k joined -> .gpu/data/wmt-bin
 #   Multi30k: train/val/test_2016_flickr, SentencePiece 8k joined -> .gpu/data/m30k-bin; its German test -> .gpu/data/test.de,
 #   its English test -> .gpu/data/test.en
-# Then: bash benchmarks/gpu_check.sh (results under $OUT). STEPS chooses the parts (default: all, in this order).
+#   For STEPS=sweep (not in the default): the Multi30k val.en.gz and val.de.gz -> .gpu/data/m30k-raw
+# Then: bash benchmarks/gpu_check.sh (results under $OUT). STEPS chooses the parts (default: all but sweep, in this
+# order).
 set -u
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -71,6 +73,13 @@ fi
 if has compile; then
   echo "== train: after, --compile"; tg after 240 $W --archs ${COMPILE_ARCHS:-transformer_big} --precisions bf16 --updates 100 --warmup 10 --compile --profile 3 --json | tee $OUT/train_compile.txt | grep -v '^{'
   t compile done
+fi
+if has sweep; then  # the Multi30k recipe's trials at ~9,000 updates, both directions, side by side (val only)
+  (cd /tmp/after && PYTHONPATH=/tmp/site:/tmp/after python3 benchmarks/multi30k_sweep.py --data-bin $M \
+    --refs $G/data/m30k-raw --out /tmp/sweep --parallel 8 --threads 2 --device cuda --attnmt "$A" \
+    --seconds ${SWEEP_SECONDS:-420} --trials-file benchmarks/multi30k_trials_9k.txt 2>&1 | tail -8 | cut -c1-600)
+  cp /tmp/sweep/trials.jsonl $OUT/sweep_trials.jsonl
+  t sweep done
 fi
 if has tests; then
   (cd /tmp/after && PYTHONPATH=/tmp/site:/tmp/after timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -6)
