@@ -113,35 +113,50 @@ class EpochBatchIterator:
 
     ``collate(indices) -> batch`` turns an index array into a batch; an empty (padding) batch becomes ``None``.
     Iterating advances :attr:`offset` (batches consumed in :attr:`epoch`), which :meth:`state_dict` records.
+    ``cycle``: more (batches, collate) plans, of other versions of the data (the BPE-dropout segmentations of the
+    training split): epoch e reads plan (e - 1) mod the number of plans, ``batches`` being the first of them.
     """
 
     def __init__(self, batches: list[np.ndarray], collate: Callable[[np.ndarray], dict], seed: int,
-                 shuffle: bool = True, world_size: int = 1, rank: int = 0):
+                 shuffle: bool = True, world_size: int = 1, rank: int = 0,
+                 cycle: list[tuple[list[np.ndarray], Callable[[np.ndarray], dict]]] = ()):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
-        self.batches = batches
-        self.collate = collate
+        self.plans = [(batches, collate), *cycle]
         self.seed = seed
         self.shuffle = shuffle
         self.world_size = world_size
         self.rank = rank
         self.epoch = 1
         self.offset = 0
-        self.fingerprint = batches_fingerprint(batches)
+        self.fingerprint = batches_fingerprint([b for plan, _ in self.plans for b in plan])
+
+    def _plan(self, epoch: int) -> tuple[list[np.ndarray], Callable[[np.ndarray], dict]]:
+        return self.plans[(epoch - 1) % len(self.plans)]
+
+    @property
+    def batches(self) -> list[np.ndarray]:
+        """The batches of the current epoch (all ranks')."""
+        return self._plan(self.epoch)[0]
+
+    @property
+    def collate(self) -> Callable[[np.ndarray], dict]:
+        return self._plan(self.epoch)[1]
 
     def __len__(self) -> int:
-        """Batches per epoch for this rank (equal on every rank)."""
+        """Batches of the current epoch for this rank (equal on every rank)."""
         return -(-len(self.batches) // self.world_size)
 
     def epoch_order(self, epoch: int) -> list[np.ndarray]:
         """All ranks' batches of ``epoch`` in order, padded with empty batches to a multiple of world_size."""
+        batches = self._plan(epoch)[0]
         if self.shuffle:
-            perm = np.random.RandomState((self.seed + epoch) % 2**32).permutation(len(self.batches))
-            order = [self.batches[i] for i in perm]
+            perm = np.random.RandomState((self.seed + epoch) % 2**32).permutation(len(batches))
+            order = [batches[i] for i in perm]
         else:
-            order = list(self.batches)
+            order = list(batches)
         empty = np.zeros(0, dtype=np.int64)
-        order += [empty] * (len(self) * self.world_size - len(order))
+        order += [empty] * (-(-len(batches) // self.world_size) * self.world_size - len(order))
         return order
 
     def shard(self, epoch: int) -> list[np.ndarray]:
@@ -157,11 +172,11 @@ class EpochBatchIterator:
 
     def __iter__(self) -> Iterator[dict | None]:
         """The remaining batches of the current epoch (the offset counts each one as it is handed out)."""
-        shard = self.shard(self.epoch)
+        shard, collate = self.shard(self.epoch), self.collate
         while self.offset < len(shard):
             b = shard[self.offset]
             self.offset += 1
-            yield self.collate(b) if len(b) else None
+            yield collate(b) if len(b) else None
 
     def state_dict(self) -> dict:
         return {"epoch": int(self.epoch), "offset": int(self.offset), "num_batches": len(self.batches),

@@ -102,6 +102,12 @@ class SubwordModel(ABC):
     @abstractmethod
     def encode_batch(self, lines: list[str], num_threads: int = -1) -> list[str]: ...
 
+    def sample_batch(self, lines: list[str], dropout: float, seed: int) -> list[str]:
+        """``encode_batch`` with BPE-dropout (Provilkov et al., 2020): each merge is skipped with probability
+        ``dropout``, so a word gets one of its finer segmentations; the same ``seed`` gives the same pieces."""
+        raise UserError(f"--bpe-dropout needs --bpe sentencepiece (this data uses {type(self).__name__}); "
+                        f"preprocess with --bpe sentencepiece or leave --bpe-dropout out")
+
     @abstractmethod
     def decode(self, pieces: str) -> str:
         """Space-separated pieces -> text."""
@@ -206,6 +212,13 @@ class SentencePieceBPE(SubwordModel):
     def encode_batch(self, lines: list[str], num_threads: int = -1) -> list[str]:
         """``encode`` for many lines at once (SentencePiece's C++ batch, multi-threaded)."""
         return [" ".join(p) for p in self._sp.encode(lines, out_type=str, num_threads=num_threads)]
+
+    def sample_batch(self, lines: list[str], dropout: float, seed: int) -> list[str]:
+        import sentencepiece as spm
+
+        spm.set_random_generator_seed(seed)  # one thread: the draws follow the seed in line order
+        return [" ".join(p) for p in self._sp.encode(lines, out_type=str, enable_sampling=True, alpha=dropout,
+                                                      num_threads=1)]
 
     def decode(self, pieces: str) -> str:
         return self._sp.decode(pieces.split())

@@ -27,7 +27,7 @@ from attnmt.fileio import (
     temp_prefix,
     write_error,
 )
-from attnmt.preprocess.config import FORMAT_VERSION, PreprocessConfig
+from attnmt.preprocess.config import FORMAT_VERSION, SAMPLE_SPLIT, PreprocessConfig
 from attnmt.preprocess.jobs import (
     WORKER_CACHE,
     BinarizeJob,
@@ -200,9 +200,53 @@ def _build(cfg: PreprocessConfig, splits: list[Split], scans: dict[str, ScanResu
                                        cfg.dataset_impl) as b:
                 for p in parts[s.name]:
                     b.merge(work / f"{s.name}.{lang}.pieces.{p.index:05d}.ds")
+    sampled = _sampled_segmentations(cfg, train, parts, normalized, specs(cfg.bpe, model_file), dict_paths, tmp,
+                                     len(dicts[src]), len(dicts[tgt]), runner, progress) if cfg.bpe_dropout else None
     shutil.rmtree(work)
 
-    return _summary(cfg, splits, scans, fingerprint, enc, totals, dicts, dict_paths, bpe_info)
+    summary = _summary(cfg, splits, scans, fingerprint, enc, totals, dicts, dict_paths, bpe_info)
+    if sampled is not None:
+        summary["bpe_dropout"] = sampled
+    return summary
+
+
+def _sampled_segmentations(cfg: PreprocessConfig, train: Split, parts, normalized, specs, dict_paths: dict[str, str],
+                           tmp: Path, src_size: int, tgt_size: int, runner: Runner,
+                           progress: StageProgress) -> dict[str, Any]:
+    """Write the training split again, --bpe-dropout-samples times, each time segmented with BPE-dropout and a
+    seed of its own, as the splits train_sample1, ...: the same pairs in the same order as train, with the same
+    dictionaries. Returns what preprocess.json records about them."""
+    src, tgt = cfg.source_lang, cfg.target_lang
+    work = tmp / ".work"
+    names = [f"{SAMPLE_SPLIT}{k}" for k in range(1, cfg.bpe_dropout_samples + 1)]
+    enc_jobs = []
+    for k, name in enumerate(names, start=1):
+        for p in parts[train.name]:
+            norm = normalized.get((train.name, p.index))
+            outs = {lang: str(work / f"{name}.{lang}.pieces.{p.index:05d}") for lang in (src, tgt)}
+            enc_jobs.append(EncodeJob(p, norm or train.paths, norm is not None, outs, specs, True, cfg.max_len,
+                                      dropout=cfg.bpe_dropout, seed=k * 10_007 + p.index, dicts=dict_paths))
+    stage = progress.stage(f"BPE-dropout {cfg.bpe_dropout}: {len(names)} segmentations of {train.name}", len(enc_jobs))
+    runner.map(encode_part, enc_jobs, stage)
+    stage.done()
+    bin_jobs = [(name, BinarizeJob(name, lang, job.outputs[lang], dict_paths[lang], job.outputs[lang] + ".ds"))
+                for name, job in zip([n for n in names for _ in parts[train.name]], enc_jobs) for lang in (src, tgt)]
+    stage = progress.stage("binarizing the BPE-dropout segmentations", len(bin_jobs))
+    counts = runner.map(binarize_part, [j for _, j in bin_jobs], stage)
+    stage.done()
+    tokens = {src: 0, tgt: 0}
+    unks = {src: 0, tgt: 0}
+    for (_, job), (_, toks, unk, _) in zip(bin_jobs, counts):
+        tokens[job.lang] += toks
+        unks[job.lang] += unk
+    for name in names:
+        for lang, size in ((src, src_size), (tgt, tgt_size)):
+            with IndexedDatasetBuilder(tmp / f"{name}.{src}-{tgt}.{lang}", size, cfg.dataset_impl) as b:
+                for p in parts[train.name]:
+                    b.merge(work / f"{name}.{lang}.pieces.{p.index:05d}.ds")
+    n = len(names)
+    return {"dropout": cfg.bpe_dropout, "samples": n, "splits": names,
+            "sides": {lang: {"tokens_per_sample": round(tokens[lang] / n), "unk": unks[lang]} for lang in (src, tgt)}}
 
 
 def _dictionaries(cfg: PreprocessConfig, train_results: Iterable[EncodeResult]) -> dict[str, Dictionary]:

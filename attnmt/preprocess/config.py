@@ -10,6 +10,7 @@ FORMAT_VERSION = 1
 ENCODE_BATCH = 10_000
 MAX_PART_LINES = 100 * 1024  # bounds a worker's memory: a part's text and pieces are held in RAM
 # options that do not change the output (so they do not make a destdir "different")
+SAMPLE_SPLIT = "train_sample"  # BPE-dropout segmentations of the training split: train_sample1, train_sample2, ...
 NEUTRAL_OPTIONS = ("destdir", "workers", "trainpref", "validpref", "testpref", "srcdict", "tgtdict", "spm_model",
                    "bpe_codes")
 
@@ -39,6 +40,13 @@ class PreprocessConfig:
         "help": "reuse this SentencePiece model instead of learning one (e.g. to binarize new test data)"})
     bpe_codes: str | None = field(default=None, metadata={
         "help": "reuse these subword-nmt codes (fairseq's bpecodes) instead of learning them (--bpe subword_nmt)"})
+    bpe_dropout: float = field(default=0.0, metadata={
+        "help": "also write --bpe-dropout-samples segmentations of the training split with BPE-dropout (Provilkov "
+                "et al., 2020): each merge is skipped with this probability (0.1 in the paper), so words come in "
+                "finer pieces; attnmt train --sampled-segmentations trains each epoch on the next one (--bpe "
+                "sentencepiece; 0: off)"})
+    bpe_dropout_samples: int = field(default=20, metadata={
+        "help": "how many BPE-dropout segmentations of the training split to write (splits train_sample1, ...)"})
     tokenizer: str = field(default="none", metadata={"help": "word tokenizer applied before subwords: moses or none"})
     lowercase: bool = field(default=False, metadata={"help": "lowercase the text (after tokenization)"})
     joined_dictionary: bool = field(default=False, metadata={
@@ -74,6 +82,16 @@ class PreprocessConfig:
                             f"own index (attnmt, the default) or fairseq's (mmap); use one of those")
         if self.bpe_max_sentences < 0:
             raise UserError(f"--bpe-max-sentences must be >= 0 (0 = all), got {self.bpe_max_sentences}")
+        if not 0.0 <= self.bpe_dropout < 1.0:
+            raise UserError(f"--bpe-dropout is the probability of skipping a merge: give a value in [0, 1) (0.1 is "
+                            f"usual), got {self.bpe_dropout}")
+        if self.bpe_dropout > 0:
+            if self.bpe != "sentencepiece":
+                raise UserError(f"--bpe-dropout needs --bpe sentencepiece, got --bpe {self.bpe}")
+            if not self.trainpref:
+                raise UserError("--bpe-dropout segments the training split again; give --trainpref")
+            if self.bpe_dropout_samples < 1:
+                raise UserError(f"--bpe-dropout-samples must be at least 1, got {self.bpe_dropout_samples}")
         if self.spm_model and self.bpe != "sentencepiece":
             raise UserError("--spm-model needs --bpe sentencepiece")
         if self.bpe_codes and self.bpe != "subword_nmt":

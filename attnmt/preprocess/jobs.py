@@ -73,6 +73,9 @@ class EncodeJob:
     specs: dict[str, PipelineSpec]
     train: bool
     max_len: int
+    dropout: float = 0.0  # > 0: BPE-dropout, a sampled segmentation (outputs are one of the train_sample splits)
+    seed: int = 0  # of the sampled segmentation of this part
+    dicts: dict[str, str] | None = None  # lang -> dictionary: sampled pieces it lacks are spelled out in characters
 
 
 @dataclass
@@ -102,7 +105,13 @@ def encode_part(job: EncodeJob) -> EncodeResult:
             text = [pipe.normalize(s) for s in _read_part(job.inputs[lang], part, lang)]
         out: list[str] = []
         for i in range(0, len(text), ENCODE_BATCH):
-            out.extend(pipe.bpe.encode_batch(text[i: i + ENCODE_BATCH], num_threads=job.specs[lang].threads))
+            if job.dropout > 0:
+                seed = (job.seed * 2 + langs.index(lang)) * 1_000_003 + i
+                out.extend(pipe.bpe.sample_batch(text[i: i + ENCODE_BATCH], job.dropout, seed % 2**31))
+            else:
+                out.extend(pipe.bpe.encode_batch(text[i: i + ENCODE_BATCH], num_threads=job.specs[lang].threads))
+        if job.dicts is not None:
+            out = _known_pieces(out, _dictionary(job.dicts[lang]))
         pieces[lang] = out
     skipped = {"empty": 0, "too_long": 0}
     examples: dict[str, list[int]] = {"empty": [], "too_long": []}
@@ -123,8 +132,9 @@ def encode_part(job: EncodeJob) -> EncodeResult:
                     if len(examples[reason]) < 10:
                         examples[reason].append(part.start + i + 1)
                     continue
-                for lang in langs:
-                    counts[lang].update(row[lang].split())
+                if not job.dropout:
+                    for lang in langs:
+                        counts[lang].update(row[lang].split())
             elif any(not row[lang] for lang in langs):
                 empty_kept += 1
             for lang in langs:
@@ -134,6 +144,27 @@ def encode_part(job: EncodeJob) -> EncodeResult:
         for f in files.values():
             f.close()
     return EncodeResult(part.split, part.index, part.count, kept, skipped, examples, counts, empty_kept)
+
+
+def _dictionary(path: str) -> Dictionary:
+    key = ("dict", path)
+    if key not in WORKER_CACHE:
+        WORKER_CACHE[key] = Dictionary.load(path)
+    return WORKER_CACHE[key]
+
+
+def _known_pieces(lines: list[str], d: Dictionary) -> list[str]:
+    """Pieces the dictionary lacks (BPE-dropout stops at intermediate merges the deterministic segmentation never
+    keeps) split into their characters, which the dictionary has, instead of becoming <unk>."""
+    unk = d.unk()
+    out = []
+    for line in lines:
+        toks = line.split()
+        if all(d.index(t) != unk for t in toks):
+            out.append(line)
+        else:
+            out.append(" ".join(t if d.index(t) != unk else " ".join(t) for t in toks))
+    return out
 
 
 @dataclass
@@ -147,10 +178,7 @@ class BinarizeJob:
 
 def binarize_part(job: BinarizeJob) -> tuple[int, int, int, int]:
     """Map a pieces file to ids and write a part dataset; return (sentences, tokens incl. </s>, unk, longest)."""
-    key = ("dict", job.dict_path)
-    if key not in WORKER_CACHE:
-        WORKER_CACHE[key] = Dictionary.load(job.dict_path)
-    d: Dictionary = WORKER_CACHE[key]
+    d = _dictionary(job.dict_path)
     unk = d.unk()
     n = tokens = unks = longest = 0
     with IndexedDatasetBuilder(job.prefix, len(d)) as b:

@@ -29,6 +29,8 @@ def _sha256_file(path: str | os.PathLike) -> str:
 def make_fingerprint(cfg: PreprocessConfig, splits: list[Split], scans: dict[str, ScanResult]) -> dict[str, Any]:
     """What decides the output: the options that change it and the checksums of everything read."""
     opts = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NEUTRAL_OPTIONS}
+    if not cfg.bpe_dropout:  # without BPE-dropout the output is what it was before these options existed
+        opts = {k: v for k, v in opts.items() if k not in ("bpe_dropout", "bpe_dropout_samples")}
     inputs = {s.name: {lang: scans[p].sha256 for lang, p in s.paths.items()} for s in splits}
     reused = {}
     for name in ("srcdict", "tgtdict", "spm_model", "bpe_codes"):

@@ -27,6 +27,10 @@ class TrainConfig:
         "help": "pad every batch's source and target length up to a multiple of N (fewer distinct shapes, "
                 "lengths aligned to the GPU's tensor-core tiles); 0: the device's choice (8 on a GPU, 1 on the CPU)"})
     update_freq: int = field(default=1, metadata={"help": "accumulate gradients over N batches per update"})
+    sampled_segmentations: bool = field(default=False, metadata={
+        "help": "train each epoch on the next of the training split's BPE-dropout segmentations (train_sample1, "
+                "train_sample2, ..., in turn; written by attnmt preprocess --bpe-dropout) instead of the split "
+                "itself; validation and inference keep the deterministic segmentation"})
     # stopping
     max_update: int = field(default=0, metadata={"help": "stop after this many updates (0: no limit)"})
     max_epoch: int = field(default=0, metadata={"help": "stop after this many epochs (0: no limit)"})

@@ -33,24 +33,47 @@ def chunks(it, n: int):
 def make_train_iterator(task, cfg: TrainConfig, max_positions: tuple[int, int],
                         pad_to_multiple: int = 1) -> tuple[EpochBatchIterator, Skipped]:
     """Filter overlong pairs, bucket by length into --max-tokens batches, shuffle per epoch, shard by rank;
-    ``pad_to_multiple``: batch lengths rounded up to a multiple of it."""
-    data = task.dataset(task.cfg.train_subset, pad_to_multiple)
+    ``pad_to_multiple``: batch lengths rounded up to a multiple of it. With --sampled-segmentations the epochs
+    read the BPE-dropout segmentations of the training split in turn (one batch plan each)."""
+    splits = sampled_splits(task) if cfg.sampled_segmentations else [task.cfg.train_subset]
+    plans = [_train_plan(task, cfg, split, max_positions, pad_to_multiple) for split in splits]
+    (batches, collate, skipped), rest = plans[0], plans[1:]
+    return EpochBatchIterator(batches, collate, seed=cfg.seed, shuffle=True, world_size=cfg.world_size,
+                              rank=cfg.rank, cycle=[(b, c) for b, c, _ in rest]), skipped
+
+
+def sampled_splits(task) -> list[str]:
+    """The splits train_sample1, train_sample2, ... that DATA_BIN holds (attnmt preprocess --bpe-dropout)."""
+    from attnmt.data.indexed import exists
+    from attnmt.preprocess.config import SAMPLE_SPLIT
+
+    names = []
+    while exists(str(task.split_prefix(f"{SAMPLE_SPLIT}{len(names) + 1}", task.src_lang))):
+        names.append(f"{SAMPLE_SPLIT}{len(names) + 1}")
+    if not names:
+        raise UserError(f"{task.data_bin}: --sampled-segmentations needs the BPE-dropout segmentations of the "
+                        f"training split ({SAMPLE_SPLIT}1, ...); preprocess with --bpe-dropout 0.1, or train "
+                        f"without --sampled-segmentations")
+    return names
+
+
+def _train_plan(task, cfg: TrainConfig, split: str, max_positions: tuple[int, int], pad_to_multiple: int):
+    data = task.dataset(split, pad_to_multiple)
     if len(data) == 0:
-        raise UserError(f"{task.split_prefix(task.cfg.train_subset, task.src_lang)}: the training split is empty; "
+        raise UserError(f"{task.split_prefix(split, task.src_lang)}: the training split is empty; "
                         f"binarize a corpus with sentences in it (attnmt preprocess --trainpref)")
     order = data.ordered_indices(cfg.seed)
     kept, skipped = filter_by_size(order, data.src_sizes, data.tgt_sizes, max_positions[0], max_positions[1],
                                    cfg.max_tokens)
     batches = batch_by_size(kept, data.num_tokens(), cfg.max_tokens, cfg.batch_size, cfg.required_batch_size_multiple)
     if not batches:
-        raise UserError(f"{task.split_prefix(task.cfg.train_subset, task.src_lang)}: no training pair fits "
+        raise UserError(f"{task.split_prefix(split, task.src_lang)}: no training pair fits "
                         f"(all {len(data)} skipped: {skipped.reason}); raise --max-tokens or the model's max positions")
     if len(batches) < cfg.world_size:
-        raise UserError(f"{task.split_prefix(task.cfg.train_subset, task.src_lang)}: {len(batches)} batch(es) of "
+        raise UserError(f"{task.split_prefix(split, task.src_lang)}: {len(batches)} batch(es) of "
                         f"--max-tokens {cfg.max_tokens} for {cfg.world_size} processes; every process needs at least "
                         f"one: lower --max-tokens or start fewer processes")
-    return EpochBatchIterator(batches, data.collate, seed=cfg.seed, shuffle=True, world_size=cfg.world_size,
-                              rank=cfg.rank), skipped
+    return batches, data.collate, skipped
 
 
 def make_valid_batches(task, cfg: TrainConfig, split: str, max_positions: tuple[int, int], pad_to_multiple: int = 1):

@@ -348,10 +348,15 @@ def _report_start(log: RunLog, task, setup: Setup, cfg: TrainConfig, model, itr,
         log.info(notice)
     log.info(f"data: {task.data_bin} {task.src_lang}->{task.tgt_lang}, dictionaries {len(task.src_dict)}/"
              f"{len(task.tgt_dict)} symbols{' (joined)' if task.joint_dictionary else ''}")
-    log.info(f"data: {task.cfg.train_subset}: {n_train:,} pairs in {len(train):,} batches"
+    name = task.cfg.train_subset
+    if len(itr.plans) > 1:
+        name = f"{len(itr.plans)} BPE-dropout segmentations of the training split in turn, the first"
+    elif cfg.sampled_segmentations:
+        name = "the one BPE-dropout segmentation of the training split"
+    log.info(f"data: {name}: {n_train:,} pairs in {len(train):,} batches"
              + "".join(f"; {s}: {len(d)} pairs" for s, (d, _, _) in valid_sets.items()))
     if len(skipped):
-        log.info(f"data: {task.cfg.train_subset}: {skipped.describe()}")
+        log.info(f"data: {name}: {skipped.describe()}")
     for s, (_, _, sk) in valid_sets.items():
         if len(sk):
             log.info(f"data: {s}: {sk.describe()}")
