@@ -179,6 +179,50 @@ def test_bpe_none_moses_lowercase_separate_dictionaries(corpus, tmp_path):
     assert [pipe.decode(dictionary.string(ds[i])) for i in range(30)] == [p[0].lower() for p in corpus["test"]]
 
 
+# ------------------------------------------------------------------------------------------------ BPE-dropout
+
+
+@pytest.fixture(scope="module")
+def sampled(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sampled")
+    meta = run_preprocess(corpus, out / "w1", bpe_dropout=0.3, bpe_dropout_samples=3, workers=1)
+    run_preprocess(corpus, out / "w2", bpe_dropout=0.3, bpe_dropout_samples=3, workers=2)
+    return {"w1": out / "w1", "w2": out / "w2", "meta": meta}
+
+
+def test_bpe_dropout_leaves_the_deterministic_output_as_it_was(binarized, sampled):
+    for name in sorted(p.name for p in binarized["w1"].iterdir()):
+        if name != "preprocess.json":
+            assert (sampled["w1"] / name).read_bytes() == (binarized["w1"] / name).read_bytes(), name
+    assert "bpe_dropout" not in binarized["s1"]["fingerprint"]["options"]  # older data-bins stay up to date
+    assert sampled["meta"]["fingerprint"]["options"]["bpe_dropout"] == 0.3
+
+
+def test_bpe_dropout_segmentations_are_the_same_pairs_in_other_pieces(binarized, sampled, corpus):
+    d = sampled["w1"]
+    meta = sampled["meta"]["bpe_dropout"]
+    assert meta["dropout"] == 0.3 and meta["samples"] == 3
+    assert meta["splits"] == ["train_sample1", "train_sample2", "train_sample3"]
+    kept = [p for i, p in enumerate(corpus["train"]) if i not in (9, 19, 29)]
+    dictionary = Dictionary.load(d / "dict.en.txt")
+    for side, lang in ((0, "en"), (1, "de")):
+        pipe = TextPipeline.from_data_dir(d, lang)
+        det = IndexedDataset(str(d / f"train.en-de.{lang}"))
+        samples = [IndexedDataset(str(d / f"train_sample{k}.en-de.{lang}")) for k in (1, 2, 3)]
+        for ds in samples:
+            assert len(ds) == len(kept)
+            assert [pipe.decode(dictionary.string(ds[i])) for i in range(len(ds))] == [p[side].strip() for p in kept]
+            # pieces missing from the dictionary went to characters
+            assert all(dictionary.unk() not in ds[i].tolist() for i in range(len(ds)))
+            assert ds.sizes.sum() > det.sizes.sum()  # finer pieces: longer sentences
+            assert meta["sides"][lang]["unk"] == 0
+        a, b = ([ds[i].tolist() for i in range(len(ds))] for ds in samples[:2])
+        assert a != b and a != [det[i].tolist() for i in range(len(det))]
+    for name in (p.name for p in d.iterdir()):  # seeded by line, not by worker: any --workers gives the same bytes
+        if name != "preprocess.json":
+            assert (d / name).read_bytes() == (sampled["w2"] / name).read_bytes(), name
+
+
 # ------------------------------------------------------------------------------------------------ command line
 
 
@@ -265,3 +309,24 @@ def test_real_process_reports_bad_input_without_traceback(tmp_path):
                        capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"}, timeout=120)
     assert r.returncode == 1
     assert r.stderr.strip().splitlines() == [r.stderr.strip()] and where in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--bpe-dropout", "1"], "--bpe-dropout is the probability of skipping a merge: give a value in [0, 1)"),
+    (["--bpe-dropout", "0.1", "--bpe", "none"], "--bpe-dropout needs --bpe sentencepiece, got --bpe none"),
+    (["--bpe-dropout", "0.1", "--bpe-dropout-samples", "0"], "--bpe-dropout-samples must be at least 1, got 0"),
+])
+def test_cli_bpe_dropout_options_are_checked(corpus, tmp_path, capsys, extra, expected):
+    code, err = cli(base_args(corpus, tmp_path / "bin") + extra, capsys)
+    lines = err.strip().splitlines()
+    assert code != 0 and len(lines) == 1 and "Traceback" not in err and expected in lines[0], err
+    assert not (tmp_path / "bin").exists()
+
+
+def test_cli_bpe_dropout_summary_names_the_segmentations(corpus, tmp_path, capsys):
+    code, err = cli(base_args(corpus, tmp_path / "bin") + ["--bpe-dropout", "0.2", "--bpe-dropout-samples", "2"],
+                    capsys)
+    assert code == 0, err
+    line = next(x for x in err.splitlines() if x.startswith("BPE-dropout"))
+    assert line.startswith("BPE-dropout 0.2: 2 segmentations of train (train_sample1, ...), en 1.") and " and de 1." in line
+    assert line.endswith("x its tokens")

@@ -20,10 +20,12 @@ with exactly the batch that would have come next.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+Plan = tuple[list[np.ndarray], Callable[[np.ndarray], dict]]  # an epoch's batches and what collates them
 
 
 @dataclass
@@ -113,26 +115,37 @@ class EpochBatchIterator:
 
     ``collate(indices) -> batch`` turns an index array into a batch; an empty (padding) batch becomes ``None``.
     Iterating advances :attr:`offset` (batches consumed in :attr:`epoch`), which :meth:`state_dict` records.
-    ``cycle``: more (batches, collate) plans, of other versions of the data (the BPE-dropout segmentations of the
-    training split): epoch e reads plan (e - 1) mod the number of plans, ``batches`` being the first of them.
+    ``cycle``: makers of more (batches, collate) plans, for other versions of the data (the BPE-dropout
+    segmentations of the training split): epoch e reads plan (e - 1) mod the number of plans, (``batches``,
+    ``collate``) being the first. A later plan is made when its epoch starts, and only the current one is kept.
     """
 
     def __init__(self, batches: list[np.ndarray], collate: Callable[[np.ndarray], dict], seed: int,
-                 shuffle: bool = True, world_size: int = 1, rank: int = 0,
-                 cycle: list[tuple[list[np.ndarray], Callable[[np.ndarray], dict]]] = ()):
+                 shuffle: bool = True, world_size: int = 1, rank: int = 0, cycle: Sequence[Callable[[], Plan]] = ()):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
-        self.plans = [(batches, collate), *cycle]
+        self._first: Plan = (batches, collate)
+        self._makers = list(cycle)
+        self._made: tuple[int, Plan] | None = None  # (plan number, plan) of the latest later plan made
         self.seed = seed
         self.shuffle = shuffle
         self.world_size = world_size
         self.rank = rank
         self.epoch = 1
         self.offset = 0
-        self.fingerprint = batches_fingerprint([b for plan, _ in self.plans for b in plan])
+        self.fingerprint = batches_fingerprint(batches) + (f"x{self.num_plans}" if self._makers else "")
 
-    def _plan(self, epoch: int) -> tuple[list[np.ndarray], Callable[[np.ndarray], dict]]:
-        return self.plans[(epoch - 1) % len(self.plans)]
+    @property
+    def num_plans(self) -> int:
+        return 1 + len(self._makers)
+
+    def _plan(self, epoch: int) -> Plan:
+        k = (epoch - 1) % self.num_plans
+        if k == 0:
+            return self._first
+        if self._made is None or self._made[0] != k:
+            self._made = (k, self._makers[k - 1]())
+        return self._made[1]
 
     @property
     def batches(self) -> list[np.ndarray]:

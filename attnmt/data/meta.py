@@ -17,6 +17,7 @@ from pathlib import Path
 from attnmt.errors import UserError
 
 FILE = "preprocess.json"
+SAMPLE_SPLIT = "train_sample"  # BPE-dropout segmentations of the training split: train_sample1, train_sample2, ...
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from typing import Any
 
 from attnmt.data.dictionary import Dictionary
 from attnmt.data.indexed import IndexedDatasetBuilder
+from attnmt.data.meta import SAMPLE_SPLIT
 from attnmt.data.textio import ScanResult
 from attnmt.errors import UserError
 from attnmt.fileio import (
@@ -27,7 +28,7 @@ from attnmt.fileio import (
     temp_prefix,
     write_error,
 )
-from attnmt.preprocess.config import FORMAT_VERSION, SAMPLE_SPLIT, PreprocessConfig
+from attnmt.preprocess.config import FORMAT_VERSION, PreprocessConfig
 from attnmt.preprocess.jobs import (
     WORKER_CACHE,
     BinarizeJob,
@@ -225,7 +226,7 @@ def _sampled_segmentations(cfg: PreprocessConfig, train: Split, parts, normalize
             norm = normalized.get((train.name, p.index))
             outs = {lang: str(work / f"{name}.{lang}.pieces.{p.index:05d}") for lang in (src, tgt)}
             enc_jobs.append(EncodeJob(p, norm or train.paths, norm is not None, outs, specs, True, cfg.max_len,
-                                      dropout=cfg.bpe_dropout, seed=k * 10_007 + p.index, dicts=dict_paths))
+                                      dropout=cfg.bpe_dropout, seed=k, dicts=dict_paths))
     stage = progress.stage(f"BPE-dropout {cfg.bpe_dropout}: {len(names)} segmentations of {train.name}", len(enc_jobs))
     runner.map(encode_part, enc_jobs, stage)
     stage.done()

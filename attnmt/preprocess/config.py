@@ -10,7 +10,6 @@ FORMAT_VERSION = 1
 ENCODE_BATCH = 10_000
 MAX_PART_LINES = 100 * 1024  # bounds a worker's memory: a part's text and pieces are held in RAM
 # options that do not change the output (so they do not make a destdir "different")
-SAMPLE_SPLIT = "train_sample"  # BPE-dropout segmentations of the training split: train_sample1, train_sample2, ...
 NEUTRAL_OPTIONS = ("destdir", "workers", "trainpref", "validpref", "testpref", "srcdict", "tgtdict", "spm_model",
                    "bpe_codes")
 

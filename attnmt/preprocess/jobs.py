@@ -9,7 +9,7 @@ from typing import Any
 from attnmt.data.dictionary import Dictionary
 from attnmt.data.indexed import IndexedDatasetBuilder
 from attnmt.data.subword import TextPipeline, build_tokenizer
-from attnmt.data.textio import ScanResult, read_lines, scan
+from attnmt.data.textio import CHECKPOINT, ScanResult, read_lines, scan
 from attnmt.preprocess.config import ENCODE_BATCH
 from attnmt.preprocess.plan import Part
 from attnmt.registry import get
@@ -74,8 +74,8 @@ class EncodeJob:
     train: bool
     max_len: int
     dropout: float = 0.0  # > 0: BPE-dropout, a sampled segmentation (outputs are one of the train_sample splits)
-    seed: int = 0  # of the sampled segmentation of this part
-    dicts: dict[str, str] | None = None  # lang -> dictionary: sampled pieces it lacks are spelled out in characters
+    seed: int = 0  # of the sampled segmentation (1, 2, ...)
+    dicts: dict[str, str] | None = None  # lang -> dictionary: a sampled word with a piece it lacks stays whole
 
 
 @dataclass
@@ -95,6 +95,7 @@ def encode_part(job: EncodeJob) -> EncodeResult:
     part = job.part
     langs = list(job.inputs)
     pieces: dict[str, list[str]] = {}
+    judged: dict[str, list[str]] = {}  # what decides whether a training pair is kept: its deterministic pieces
     for lang in langs:
         pipe = job.specs[lang].build()
         if job.normalized:
@@ -105,14 +106,15 @@ def encode_part(job: EncodeJob) -> EncodeResult:
             text = [pipe.normalize(s) for s in _read_part(job.inputs[lang], part, lang)]
         out: list[str] = []
         for i in range(0, len(text), ENCODE_BATCH):
-            if job.dropout > 0:
-                seed = (job.seed * 2 + langs.index(lang)) * 1_000_003 + i
-                out.extend(pipe.bpe.sample_batch(text[i: i + ENCODE_BATCH], job.dropout, seed % 2**31))
-            else:
-                out.extend(pipe.bpe.encode_batch(text[i: i + ENCODE_BATCH], num_threads=job.specs[lang].threads))
-        if job.dicts is not None:
-            out = _known_pieces(out, _dictionary(job.dicts[lang]))
-        pieces[lang] = out
+            out.extend(pipe.bpe.encode_batch(text[i: i + ENCODE_BATCH], num_threads=job.specs[lang].threads))
+        judged[lang] = pieces[lang] = out
+        if job.dropout > 0:  # the sampled pieces of the same pairs, kept or skipped as their deterministic ones are
+            sampled: list[str] = []
+            for i in range(0, len(text), CHECKPOINT):  # a seed per block of CHECKPOINT input lines (parts start at
+                block = (part.start + i) // CHECKPOINT  # one): the same pieces whatever the number of workers
+                seed = ((job.seed * 2 + langs.index(lang)) * 1_000_003 + block) % 2**31
+                sampled.extend(pipe.bpe.sample_batch(text[i: i + CHECKPOINT], job.dropout, seed))
+            pieces[lang] = _known_pieces(sampled, out, _dictionary(job.dicts[lang])) if job.dicts else sampled
     skipped = {"empty": 0, "too_long": 0}
     examples: dict[str, list[int]] = {"empty": [], "too_long": []}
     counts = {lang: Counter() for lang in langs}
@@ -123,9 +125,9 @@ def encode_part(job: EncodeJob) -> EncodeResult:
             row = {lang: pieces[lang][i] for lang in langs}
             if job.train:
                 reason = None
-                if any(not row[lang] for lang in langs):
+                if any(not judged[lang][i] for lang in langs):
                     reason = "empty"
-                elif any(row[lang].count(" ") + 2 > job.max_len for lang in langs):  # pieces + </s>
+                elif any(judged[lang][i].count(" ") + 2 > job.max_len for lang in langs):  # pieces + </s>
                     reason = "too_long"
                 if reason:
                     skipped[reason] += 1
@@ -153,18 +155,35 @@ def _dictionary(path: str) -> Dictionary:
     return WORKER_CACHE[key]
 
 
-def _known_pieces(lines: list[str], d: Dictionary) -> list[str]:
-    """Pieces the dictionary lacks (BPE-dropout stops at intermediate merges the deterministic segmentation never
-    keeps) split into their characters, which the dictionary has, instead of becoming <unk>."""
+def _known_pieces(sampled: list[str], deterministic: list[str], d: Dictionary) -> list[str]:
+    """The sampled pieces, but a word with a piece the dictionary lacks (BPE-dropout stops at intermediate merges,
+    or single characters, that the deterministic segmentation never keeps) in its deterministic pieces, so that
+    nothing becomes <unk> that is not <unk> in the training split."""
     unk = d.unk()
     out = []
-    for line in lines:
+    for line, det in zip(sampled, deterministic):
         toks = line.split()
         if all(d.index(t) != unk for t in toks):
             out.append(line)
-        else:
-            out.append(" ".join(t if d.index(t) != unk else " ".join(t) for t in toks))
+            continue
+        words, det_words = _words(toks), _words(det.split())
+        if len(words) != len(det_words):  # not the same words (never with SentencePiece's word-bound pieces)
+            out.append(det)
+            continue
+        out.append(" ".join(" ".join(w if all(d.index(t) != unk for t in w) else dw)
+                            for w, dw in zip(words, det_words)))
     return out
+
+
+def _words(pieces: list[str]) -> list[list[str]]:
+    """Pieces grouped into words (a word starts with a piece that starts with the SentencePiece space, \u2581)."""
+    words: list[list[str]] = []
+    for t in pieces:
+        if t.startswith("\u2581") or not words:
+            words.append([t])
+        else:
+            words[-1].append(t)
+    return words
 
 
 @dataclass

@@ -42,4 +42,11 @@ def print_summary(summary: dict[str, Any], file=None) -> None:
         bpe += f" ({summary['bpe_settings'].get('pieces', '?')} pieces, {summary['bpe_model']})"
     console.print(f"{dicts}; subwords: {bpe}; tokenizer: {summary['tokenizer']}"
                   f"{'; lowercased' if summary['lowercase'] else ''}")
+    bd = summary.get("bpe_dropout")
+    if bd:
+        train = summary["splits"]["train"]["sides"]
+        growth = " and ".join(f"{lang} {bd['sides'][lang]['tokens_per_sample'] / max(train[lang]['tokens'], 1):.2f}x"
+                           for lang in (src, tgt))
+        console.print(f"BPE-dropout {bd['dropout']}: {bd['samples']} segmentations of train ({bd['splits'][0]}, ...), "
+                      f"{growth} its tokens")
     console.print(f"done in {summary['elapsed_s']:.1f} s; output: {summary['destdir']}")

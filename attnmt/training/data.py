@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from attnmt.data.batching import EpochBatchIterator, Skipped, batch_by_size, filter_by_size
+from attnmt.data.meta import SAMPLE_SPLIT
 from attnmt.errors import UserError
 from attnmt.training.config import TrainConfig
 
@@ -36,16 +37,18 @@ def make_train_iterator(task, cfg: TrainConfig, max_positions: tuple[int, int],
     ``pad_to_multiple``: batch lengths rounded up to a multiple of it. With --sampled-segmentations the epochs
     read the BPE-dropout segmentations of the training split in turn (one batch plan each)."""
     splits = sampled_splits(task) if cfg.sampled_segmentations else [task.cfg.train_subset]
-    plans = [_train_plan(task, cfg, split, max_positions, pad_to_multiple) for split in splits]
-    (batches, collate, skipped), rest = plans[0], plans[1:]
+    batches, collate, skipped = _train_plan(task, cfg, splits[0], max_positions, pad_to_multiple)
+
+    def maker(split: str):
+        return lambda: _train_plan(task, cfg, split, max_positions, pad_to_multiple)[:2]
+
     return EpochBatchIterator(batches, collate, seed=cfg.seed, shuffle=True, world_size=cfg.world_size,
-                              rank=cfg.rank, cycle=[(b, c) for b, c, _ in rest]), skipped
+                              rank=cfg.rank, cycle=[maker(s) for s in splits[1:]]), skipped
 
 
 def sampled_splits(task) -> list[str]:
     """The splits train_sample1, train_sample2, ... that DATA_BIN holds (attnmt preprocess --bpe-dropout)."""
     from attnmt.data.indexed import exists
-    from attnmt.preprocess.config import SAMPLE_SPLIT
 
     names = []
     while exists(str(task.split_prefix(f"{SAMPLE_SPLIT}{len(names) + 1}", task.src_lang))):

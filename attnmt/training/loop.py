@@ -349,8 +349,8 @@ def _report_start(log: RunLog, task, setup: Setup, cfg: TrainConfig, model, itr,
     log.info(f"data: {task.data_bin} {task.src_lang}->{task.tgt_lang}, dictionaries {len(task.src_dict)}/"
              f"{len(task.tgt_dict)} symbols{' (joined)' if task.joint_dictionary else ''}")
     name = task.cfg.train_subset
-    if len(itr.plans) > 1:
-        name = f"{len(itr.plans)} BPE-dropout segmentations of the training split in turn, the first"
+    if itr.num_plans > 1:
+        name = f"{itr.num_plans} BPE-dropout segmentations of the training split in turn, the first"
     elif cfg.sampled_segmentations:
         name = "the one BPE-dropout segmentation of the training split"
     log.info(f"data: {name}: {n_train:,} pairs in {len(train):,} batches"

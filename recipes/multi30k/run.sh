@@ -14,9 +14,8 @@
 # The precision comes from the hardware (bf16 where the CPU computes it natively, fp32 elsewhere); the settings
 # come from the speed measured on this machine: a probe of 60 updates before training gives the updates the time
 # budget buys, and the settings follow from that count: below ~3,500 updates (still under-fitted at the end)
-# residual dropout 0.2 and the inverse square root schedule; from 3,500 on dropout 0.3, a learning rate that
-# decays linearly to 0 at the expected count (the run is annealed when the budget ends instead of over-fitting)
-# and BPE-dropout 0.1 (each epoch reads the next of 20 sampled segmentations of the training text).
+# residual dropout 0.2 and the inverse square root schedule; from 3,500 on dropout 0.3 and a learning rate that
+# decays linearly to 0 at the expected count (the run is annealed when the budget ends instead of over-fitting).
 # The probe, the expected updates and the choice are printed. The averaging windows tried on val include the
 # checkpoints around the best validation loss (a run that over-fits late still gets its best stretch), next to the
 # last ones.
@@ -40,7 +39,8 @@
 #   AVG_BEST          also average the N checkpoints of the lowest validation loss (0: not)   [5]
 #   LENPEN            length penalty of the beam search; several values: chosen on val as AVG   [the profile's]
 #   VOCAB             joint SentencePiece vocabulary size                 [the profile's]
-#   BPE_DROPOUT       BPE-dropout of the training text: auto (the probe decides), or a probability (0: off)  [auto]
+#   BPE_DROPOUT       BPE-dropout of the training text: each epoch reads the next of 20 segmentations sampled with
+#                     this probability (0: off; 0.1 cost 14 BLEU at ~7,000 updates, docs/experiments.md)  [0]
 #   TRAIN_LINES       use only the first N training pairs (smoke tests; 0: all)  [0]
 #   EVAL_BLEU         decode the first N valid sentences after each epoch (--eval-bleu), for the valid BLEU
 #                     curve; costs training time (0: off, as in the measured runs of docs/experiments.md)  [0]
@@ -83,8 +83,8 @@ esac
 LONG_RUN_UPDATES=3500  # from this many expected updates on, dropout 0.3 and the linear decay (docs/experiments.md,
                        # "Multi30k: what was tried")
 SCHEDULE=${SCHEDULE:-auto}
-BPE_DROPOUT=${BPE_DROPOUT:-auto}
-[[ "$BPE_DROPOUT" =~ ^(auto|0|0?\.[0-9]+)$ ]] || fail "BPE_DROPOUT=$BPE_DROPOUT: use auto, 0 (off) or a probability such as 0.1"
+BPE_DROPOUT=${BPE_DROPOUT:-0}
+[[ "$BPE_DROPOUT" =~ ^(0|0?\.[0-9]+)$ ]] || fail "BPE_DROPOUT=$BPE_DROPOUT: use 0 (off) or a probability such as 0.1"
 case "$SCHEDULE" in auto|inverse_sqrt|linear) ;; *) fail "SCHEDULE=$SCHEDULE: use auto, inverse_sqrt or linear" ;; esac
 # The profiles share the model and schedule chosen on val; see docs/experiments.md for what each was measured against.
 ARCH=${ARCH:-transformer_small}
@@ -124,9 +124,9 @@ fi
 
 log "2/6 preprocess -> $BIN (test sets: ${TESTS[*]})"
 TESTPREF=$(printf "$RAW/%s," "${TESTS[@]}"); TESTPREF=${TESTPREF%,}
-BD_P=${BPE_DROPOUT/auto/0.1}  # the BPE-dropout segmentations are written unless they are off; the probe decides
-SAMPLING=""                   # whether to use them
-python -c "import sys; sys.exit(0 if float('$BD_P') > 0 else 1)" && SAMPLING="--bpe-dropout $BD_P --bpe-dropout-samples 20"
+SAMPLING=""
+python -c "import sys; sys.exit(0 if float('$BPE_DROPOUT') > 0 else 1)" \
+  && SAMPLING="--bpe-dropout $BPE_DROPOUT --bpe-dropout-samples 20"
 # shellcheck disable=SC2086
 attnmt preprocess -s "$SRC" -t "$TGT" --trainpref "$TRAIN" --validpref "$RAW/val" --testpref "$TESTPREF" \
   --destdir "$BIN" --bpe sentencepiece --vocab-size "$VOCAB" --joined-dictionary --workers "$THREADS" $SAMPLING
@@ -164,9 +164,10 @@ elif [ -n "${PROFILE_DROPOUT:-}" ]; then DROPOUT=$PROFILE_DROPOUT; FORCED+=("PRO
 else DROPOUT=0.2; [ "$LONG" = 1 ] && DROPOUT=0.3; fi
 if [ "$SCHEDULE" = auto ]; then SCHEDULE=inverse_sqrt; [ "$LONG" = 1 ] && SCHEDULE=linear; else FORCED+=("SCHEDULE"); fi
 SAMPLED=""; SAMPLED_TEXT=""
-if [ -n "$SAMPLING" ] && { [ "$BPE_DROPOUT" != auto ] || [ "$LONG" = 1 ]; }; then
-  [ "$BPE_DROPOUT" != auto ] && FORCED+=("BPE_DROPOUT")
-  SAMPLED="--sampled-segmentations"; SAMPLED_TEXT=", BPE-dropout $BD_P (20 sampled segmentations, one epoch each in turn)"
+if [ -n "$SAMPLING" ]; then
+  FORCED+=("BPE_DROPOUT")
+  SAMPLED="--sampled-segmentations"
+  SAMPLED_TEXT=", BPE-dropout $BPE_DROPOUT (20 sampled segmentations, one epoch each in turn)"
 fi
 WHY=""; [ "${#FORCED[@]}" -gt 0 ] && WHY=" (forced: ${FORCED[*]})"
 if [ "$SCHEDULE" = linear ]; then
@@ -180,8 +181,7 @@ else
   SCHEDULE_TEXT="the inverse square root schedule"
 fi
 log "3/6 ${PROBED:+$PROBED; }chosen: precision $PRECISION, dropout $DROPOUT, $SCHEDULE_TEXT$SAMPLED_TEXT$WHY \
-(below $LONG_RUN_UPDATES expected updates: dropout 0.2, inverse square root; from $LONG_RUN_UPDATES: dropout 0.3, linear \
-decay, BPE-dropout 0.1)"
+(below $LONG_RUN_UPDATES expected updates: dropout 0.2, inverse square root; from $LONG_RUN_UPDATES: dropout 0.3, linear decay)"
 BEST_ARGS=""; [ "$AVG_BEST" -gt 0 ] && BEST_ARGS="--keep-best-checkpoints $AVG_BEST"
 log "3/6 train $ARCH for at most $MAX_TIME_MINUTES minutes -> $CKPT: vocabulary $VOCAB, $TRAIN_ARGS; average \
 {last $AVG, best $AVG_BEST}, lenpen {$LENPEN} (chosen on val)"

@@ -6,9 +6,11 @@ import sys
 
 import pytest
 import torch
-from helpers import TINY_MODEL, make_data_bin
+from helpers import TINY_MODEL, make_data_bin, make_pairs
 
 from attnmt.cli import main
+from attnmt.data.dictionary import Dictionary
+from attnmt.data.indexed import IndexedDatasetBuilder
 
 
 def _records(save_dir, kind):
@@ -89,6 +91,8 @@ def _run_cli(*args):
     (["--best-checkpoint-metric", "bleu"], "--best-checkpoint-metric bleu needs --eval-bleu"),
     (["--lr-scheduler", "polynomial_decay", "--total-num-update", "5", "--warmup-updates", "10"],
      "--total-num-update 5 must exceed --warmup-updates 10"),
+    (["--sampled-segmentations"], "needs the BPE-dropout segmentations of the training split (train_sample1, ...); "
+     "preprocess with --bpe-dropout 0.1, or train without --sampled-segmentations"),
 ])
 def test_bad_options_are_one_line_errors(tmp_path, extra, message):
     data = make_data_bin(tmp_path / "bin", n_train=16)
@@ -152,3 +156,25 @@ def test_bf16_without_native_bf16_is_a_one_line_error(tmp_path, no_native_bf16):
     assert code == 1 and len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert "--bf16: no native bf16 on this CPU (ATTNMT_CPU_BF16=0 is set)" in err and "--precision auto" in err, err
     assert not (tmp_path / "ck" / "checkpoint_last.pt").exists()
+
+
+def test_sampled_segmentations_are_read_one_epoch_each_in_turn(tmp_path, capsys):
+    """Epoch e trains on train_sample((e - 1) mod n + 1): here versions of 64 and 128 pairs, so the epochs
+    alternate between the update counts of the two."""
+    data = make_data_bin(tmp_path / "bin", n_train=64)
+    d = Dictionary.load(data / "dict.en.txt")
+    for k, pairs in ((1, make_pairs(64, 0)), (2, make_pairs(128, 7))):
+        for lang, side in (("en", 0), ("de", 1)):
+            b = IndexedDatasetBuilder(str(data / f"train_sample{k}.en-de.{lang}"), len(d))
+            for p in pairs:
+                b.add(d.encode_line(" ".join(p[side])))
+            b.finalize()
+    ck = tmp_path / "ck"
+    main(["train", str(data), *TINY_MODEL, "--save-dir", str(ck), "--max-tokens", "128", "--max-epoch", "4",
+          "--sampled-segmentations", "--progress", "lines", "--no-save", "--threads", "1"])
+    err = capsys.readouterr().err
+    assert "data: 2 BPE-dropout segmentations of the training split in turn, the first: 64 pairs" in err
+    ends = [r["num_updates"] for r in _records(ck, "valid")]
+    per_epoch = [b - a for a, b in zip([0] + ends, ends)]
+    assert len(per_epoch) == 4 and per_epoch[0] == per_epoch[2] and per_epoch[1] == per_epoch[3]
+    assert per_epoch[1] > 1.5 * per_epoch[0]

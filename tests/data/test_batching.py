@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from attnmt.data.batching import EpochBatchIterator, batch_by_size, filter_by_size
+from attnmt.data.batching import EpochBatchIterator, batch_by_size, batches_fingerprint, filter_by_size
 from attnmt.data.pairs import LanguagePairDataset, collate_pairs
 
 PAD, EOS = 1, 2
@@ -114,6 +114,44 @@ def test_iterator_position_resumes_mid_epoch():
     assert state["epoch"] == 2 and state["offset"] == 3
     assert rest_a == rest_b and len(first) + len(rest_a) == len(batches)
     assert a.end_of_epoch() and b.end_of_epoch()
+
+
+def test_epochs_read_the_cycled_plans_in_turn_and_resume_in_the_right_one():
+    """Versions of one corpus (BPE-dropout segmentations): epoch e reads plan (e - 1) mod n, with its own
+    batches and collate, and a resumed run continues in the plan of its epoch."""
+    versions = [_dataset(seed=s) for s in (0, 1, 2)]
+    plans = [(_batches(ds), ds.collate) for ds in versions]
+
+    made = []
+
+    def maker(plan):
+        return lambda: made.append(plan) or plan
+
+    def make():
+        return EpochBatchIterator(*plans[0], seed=4, cycle=[maker(p) for p in plans[1:]])
+
+    a = make()
+    for epoch in range(1, 6):
+        ds = versions[(epoch - 1) % 3]
+        assert a.epoch == epoch and a.batches is plans[(epoch - 1) % 3][0] and len(a) == len(a.batches)
+        got = list(a)
+        assert len(got) == len(a.batches)
+        for batch in got:  # each batch holds that version's sentences
+            ids = batch["id"].tolist()
+            assert batch["net_input"]["src_tokens"].shape[0] == len(ids)
+            assert max(len(ds.src[i]) for i in ids) == batch["net_input"]["src_tokens"].shape[1]
+        assert sorted(i for b in got for i in b["id"].tolist()) == list(range(len(ds)))
+        a.next_epoch()
+    assert [id(x) for x in made] == [id(plans[k]) for k in (1, 2, 1)]  # a later plan is made when its epoch starts
+    b = make()
+    b.next_epoch()  # epoch 2: the second version, stopped after two batches
+    it = iter(b)
+    next(it), next(it)
+    c = make()
+    assert c.load_state_dict(b.state_dict()) is None and c.epoch == 2 and c.batches is plans[1][0]
+    assert [x["id"].tolist() for x in c] == [x["id"].tolist() for x in it]
+    single = EpochBatchIterator(*plans[0], seed=4)  # one plan: the fingerprint of before (old checkpoints resume)
+    assert single.fingerprint == batches_fingerprint(plans[0][0]) != make().fingerprint
 
 
 def test_changed_batches_restart_the_epoch_with_a_warning():
