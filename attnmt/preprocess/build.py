@@ -220,24 +220,23 @@ def _sampled_segmentations(cfg: PreprocessConfig, train: Split, parts, normalize
     src, tgt = cfg.source_lang, cfg.target_lang
     work = tmp / ".work"
     names = [f"{SAMPLE_SPLIT}{k}" for k in range(1, cfg.bpe_dropout_samples + 1)]
-    enc_jobs = []
+    enc_jobs, bin_jobs = [], []
     for k, name in enumerate(names, start=1):
         for p in parts[train.name]:
             norm = normalized.get((train.name, p.index))
             outs = {lang: str(work / f"{name}.{lang}.pieces.{p.index:05d}") for lang in (src, tgt)}
             enc_jobs.append(EncodeJob(p, norm or train.paths, norm is not None, outs, specs, True, cfg.max_len,
                                       dropout=cfg.bpe_dropout, seed=k, dicts=dict_paths))
+            bin_jobs += [BinarizeJob(name, lang, outs[lang], dict_paths[lang], outs[lang] + ".ds") for lang in outs]
     stage = progress.stage(f"BPE-dropout {cfg.bpe_dropout}: {len(names)} segmentations of {train.name}", len(enc_jobs))
     runner.map(encode_part, enc_jobs, stage)
     stage.done()
-    bin_jobs = [(name, BinarizeJob(name, lang, job.outputs[lang], dict_paths[lang], job.outputs[lang] + ".ds"))
-                for name, job in zip([n for n in names for _ in parts[train.name]], enc_jobs) for lang in (src, tgt)]
     stage = progress.stage("binarizing the BPE-dropout segmentations", len(bin_jobs))
-    counts = runner.map(binarize_part, [j for _, j in bin_jobs], stage)
+    counts = runner.map(binarize_part, bin_jobs, stage)
     stage.done()
     tokens = {src: 0, tgt: 0}
     unks = {src: 0, tgt: 0}
-    for (_, job), (_, toks, unk, _) in zip(bin_jobs, counts):
+    for job, (_, toks, unk, _) in zip(bin_jobs, counts):
         tokens[job.lang] += toks
         unks[job.lang] += unk
     for name in names:
