@@ -147,6 +147,7 @@ recs = [json.loads(x) for x in open(sys.argv[1], encoding="utf-8")]
 rates = sorted(r["ups"] for r in [r for r in recs if r["type"] == "train"][1:])
 summary = next(r for r in recs if r["type"] == "summary")
 ups = rates[len(rates) // 2] if rates else summary["updates_this_run"] / max(summary["train_time"], 1e-9)
+ups = round(ups, 3)  # the count follows from the rate as printed
 expected = int(ups * float(sys.argv[2]) * 60)
 if int(sys.argv[3]) > 0:
     expected = min(expected, int(sys.argv[3]))
