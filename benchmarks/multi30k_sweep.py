@@ -2,7 +2,7 @@
 
 Each trial trains ``transformer_small`` on a recipe data-bin for a fixed number of updates with the recipe's base
 settings plus the trial's own options, then averages the last 5 and the last 10 epoch checkpoints and the 5 of the
-lowest valid loss, decodes val with beam 4 at lenpen 0.6 and 1.0 and scores it with sacreBLEU: the choices the
+lowest valid loss, decodes val with beam 4 at lenpen 0.6, 1.0 and 1.5 and scores it with sacreBLEU: the choices the
 recipe itself makes on val. One JSON line per trial goes to OUT/trials.jsonl as soon as the trial ends.
 
     python benchmarks/multi30k_sweep.py --data-bin runs/multi30k_en_de/data-bin --refs runs/multi30k_en_de/raw \\
@@ -31,6 +31,7 @@ SCHEDULES = {  # the learning-rate options each schedule takes in the recipe
     "inverse_sqrt": "--lr 2e-3 --warmup-init-lr 1e-7",
     "polynomial_decay": "--lr 2e-3",
 }
+LENPENS = ("0.6", "1.0", "1.5")  # the recipe tries 0.6 and 1.0; 1.5 shows what a longer output would give
 
 
 def read_lines(path: Path) -> list[str]:
@@ -103,7 +104,7 @@ def trial(spec: str, args, deadline: float) -> dict:
 
 def decode(argv: list[str]) -> None:
     """``--decode --device D --precision P --source F --reference F KEY=MODEL...``: val BLEU of each model at
-    lenpen 0.6 and 1.0 (beam 4), one process for all, as one JSON line."""
+    each of LENPENS (beam 4), one process for all, as one JSON line."""
     import sacrebleu
 
     from attnmt import Translator
@@ -121,7 +122,7 @@ def decode(argv: list[str]) -> None:
     for km in a.models:
         key, model = km.split("=", 1)
         with Translator(model, device=a.device, precision=a.precision, beam=4) as t:
-            for lp in ("0.6", "1.0"):
+            for lp in LENPENS:
                 hyps = t.translate(sources, lenpen=float(lp))
                 scores[f"{key} lp{lp}"] = round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2)
     print(json.dumps(scores))
@@ -152,10 +153,10 @@ def main() -> None:
     with ThreadPoolExecutor(args.parallel) as pool:
         results = list(pool.map(lambda s: trial(s, args, deadline), specs))
     print("\ntrial\tpair\tupdates\tbest valid loss (update)\tval BLEU: " + ", ".join(
-        f"{m} lp{lp}" for m in ("last5", "last10", "best5") for lp in ("0.6", "1.0")))
+        f"{m} lp{lp}" for m in ("last5", "last10", "best5") for lp in LENPENS))
     for r in results:
         v = r.get("val", {})
-        cells = [str(v.get(f"{m} lp{lp}", "-")) for m in ("last5", "last10", "best5") for lp in ("0.6", "1.0")]
+        cells = [str(v.get(f"{m} lp{lp}", "-")) for m in ("last5", "last10", "best5") for lp in LENPENS]
         loss = f"{r['best_valid_loss']:.3f} ({r['best_valid_update']})" if "best_valid_loss" in r else "-"
         print(f"{r['name']}\t{r['pair']}\t{r['updates']}\t{loss}\t" + "\t".join(cells)
               + (f"\t{r['error']}" if "error" in r else ""))
