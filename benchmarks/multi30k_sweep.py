@@ -3,7 +3,7 @@
 Each trial trains ``transformer_small`` on a recipe data-bin for a fixed number of updates with the recipe's base
 settings plus the trial's own options, then averages the last 5 and the last 10 epoch checkpoints and the 5 of the
 lowest valid loss, decodes val with beam 4 at lenpen 0.6, 1.0 and 1.5 and scores it with sacreBLEU: the choices the
-recipe itself makes on val. One JSON line per trial goes to OUT/trials.jsonl as soon as the trial ends.
+recipe itself makes on val (it tries 0.6 and 1.0), and a longer output. One JSON line per trial goes to OUT/trials.jsonl as soon as the trial ends.
 
     python benchmarks/multi30k_sweep.py --data-bin runs/multi30k_en_de/data-bin --refs runs/multi30k_en_de/raw \\
         --out sweep --parallel 4 --trial 'base2100 en de 2100 fp32 --dropout 0.2' ...
