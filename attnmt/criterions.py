@@ -1,4 +1,4 @@
-"""Training criterions: label-smoothed cross-entropy (paper section 5.4) and plain cross-entropy.
+"""Training criterions: label-smoothed cross-entropy (paper section 5.4), plain cross-entropy and R-Drop.
 
 A criterion is called as ``criterion(model, batch) -> (loss_sum, logging)``. It returns the loss SUMMED over the
 non-padding target tokens; the trainer divides by the (global) number of target tokens of the whole update, so the
@@ -346,6 +346,63 @@ class LabelSmoothedCrossEntropy(BlockedLoss):
 
     def __call__(self, model, batch) -> tuple[torch.Tensor, dict]:
         loss, nll = _loss(model, batch, self.pad, self.cfg.label_smoothing, self)
+        return loss, _logging(loss, nll, batch)
+
+
+@dataclass
+class RDropConfig(LabelSmoothedCrossEntropyConfig):
+    rdrop_alpha: float = field(
+        default=0.0, metadata={"help": "weight of the symmetric KL divergence between the two dropout passes of "
+                                       "R-Drop (Liang et al. 2021 use 5 for translation; fairseq's default 0 "
+                                       "trains as label_smoothed_cross_entropy)"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.rdrop_alpha >= 0.0:
+            raise ValueError(f"--rdrop-alpha {self.rdrop_alpha} is negative; use 0 (off) or a positive weight such "
+                             f"as 5")
+
+
+def _twice(batch: dict) -> dict:
+    """The batch's sentences twice, one copy after the other (each copy gets its own dropout masks)."""
+    net = batch["net_input"]
+    return {**batch, "target": batch["target"].repeat(2, 1),
+            "net_input": {k: v.repeat(2, *([1] * (v.dim() - 1))) for k, v in net.items()}}
+
+
+def rdrop_loss(lprobs: torch.Tensor, target: torch.Tensor, epsilon: float,
+               alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """R-Drop's objective for fp32 ``lprobs`` (2N, V) of the same N target tokens under two dropout masks (the
+    first N rows one pass, the last N the other) and ``target`` (2N,): the label-smoothed loss of both passes plus
+    ``alpha`` times the symmetric KL divergence ``(KL(p1 || p2) + KL(p2 || p1)) / 2``, halved so that it is a sum
+    over N tokens like the other criterions' (fairseq divides the same sum by 2N). Returns (loss sum, NLL sum)."""
+    loss, nll = label_smoothed_nll_loss(lprobs, target, epsilon)
+    p, q = lprobs.chunk(2)
+    kl = torch.nn.functional.kl_div(p, q, reduction="sum", log_target=True)  # KL(q || p)
+    kl = kl + torch.nn.functional.kl_div(q, p, reduction="sum", log_target=True)  # + KL(p || q)
+    return (loss + alpha * kl / 2) / 2, nll / 2
+
+
+@register("criterion", "label_smoothed_cross_entropy_with_rdrop", config=RDropConfig)
+class RDropLabelSmoothedCrossEntropy(BlockedLoss):
+    """R-Drop (Liang et al. 2021): every training batch runs twice through the model, with different dropout
+    masks, and the loss adds the two passes' symmetric KL divergence to their label-smoothed cross-entropies, so the
+    model learns to agree with itself whatever dropout removes. An update costs about twice the compute of one
+    without it. Evaluation (no dropout) gives exactly label_smoothed_cross_entropy's loss, and so does
+    ``--rdrop-alpha 0`` in training (fairseq's behaviour)."""
+
+    def __init__(self, cfg: RDropConfig, pad: int):
+        self.cfg = cfg
+        self.pad = pad
+
+    def __call__(self, model, batch) -> tuple[torch.Tensor, dict]:
+        if not (model.training and self.cfg.rdrop_alpha > 0):
+            loss, nll = _loss(model, batch, self.pad, self.cfg.label_smoothing, self)
+            return loss, _logging(loss, nll, batch)
+        h, weight, target = _model_outputs(model, _twice(batch), self.pad)
+        logits = torch.mm(h, weight.t())  # (2N, V): the KL term needs both passes' whole distributions
+        lprobs = torch.log_softmax(logits.float(), dim=-1)
+        loss, nll = rdrop_loss(lprobs, target, self.cfg.label_smoothing, self.cfg.rdrop_alpha)
         return loss, _logging(loss, nll, batch)
 
 

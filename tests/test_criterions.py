@@ -246,3 +246,73 @@ def test_projected_loss_without_gradients_keeps_nothing_large():
         loss, nll = projected_smoothed_cross_entropy(h, w, t, 0.1)
     ref, ref_nll = smoothed_cross_entropy(h @ w.t(), t, -1, 0.1)
     assert torch.allclose(loss, ref) and torch.allclose(nll, ref_nll)
+
+
+# ------------------------------------------------------------------------------------------------------- R-Drop
+
+def test_rdrop_loss_matches_hand_computation():
+    """Two passes' smoothed cross-entropies plus alpha times their symmetric KL, halved (a sum over N tokens)."""
+    from attnmt.criterions import rdrop_loss
+
+    torch.manual_seed(4)
+    n, V, eps, alpha = 5, 7, 0.1, 5.0
+    lp = torch.log_softmax(torch.randn(2 * n, V, dtype=torch.float64), -1)
+    target = torch.randint(0, V, (n,)).repeat(2)
+    loss, nll = rdrop_loss(lp, target, eps, alpha)
+    q = torch.full((2 * n, V), eps / V, dtype=torch.float64)
+    q[torch.arange(2 * n), target] += 1 - eps
+    ce = -(q * lp).sum()
+    p1, p2 = lp[:n].exp(), lp[n:].exp()
+    kl12 = (p1 * (lp[:n] - lp[n:])).sum()
+    kl21 = (p2 * (lp[n:] - lp[:n])).sum()
+    assert float(loss) == pytest.approx(float(ce + alpha * (kl12 + kl21) / 2) / 2, rel=1e-9)
+    assert float(nll) == pytest.approx(float(-lp[torch.arange(2 * n), target].sum()) / 2, rel=1e-9)
+
+
+def test_rdrop_without_dropout_equals_label_smoothing_and_its_gradients():
+    """With no dropout both passes are the same, the KL term is 0 and its gradient too: R-Drop's loss and gradients
+    equal label_smoothed_cross_entropy's. The two copies' rows must line up for that (a shifted copy gives KL > 0)."""
+    from attnmt.criterions import RDropConfig, RDropLabelSmoothedCrossEntropy
+
+    b = small_batch()
+    a_model, b_model = small_model(), small_model()
+    a_model.train(), b_model.train()
+    loss_a, log_a = RDropLabelSmoothedCrossEntropy(RDropConfig(0.1, rdrop_alpha=5.0), PAD)(a_model, b)
+    loss_b, log_b = LabelSmoothedCrossEntropy(LabelSmoothedCrossEntropyConfig(0.1), PAD)(b_model, b)
+    loss_a.backward()
+    loss_b.backward()
+    assert torch.allclose(loss_a, loss_b, rtol=1e-5) and torch.allclose(log_a["nll_loss"], log_b["nll_loss"], rtol=1e-5)
+    assert log_a["ntokens"] == b["ntokens"]
+    for (name, pa), pb in zip(a_model.named_parameters(), b_model.parameters()):
+        assert torch.allclose(pa.grad, pb.grad, atol=1e-5), name
+
+
+def test_rdrop_with_dropout_adds_the_disagreement_of_two_masks():
+    """With dropout the two passes differ: the training loss exceeds the one without the KL term (alpha 0, which is
+    exactly label_smoothed_cross_entropy from the same random state), and evaluation has no KL term at all."""
+    from attnmt.criterions import RDropConfig, RDropLabelSmoothedCrossEntropy
+
+    b = small_batch()
+    model = small_model(dropout=0.3)
+    model.train()
+    torch.manual_seed(7)
+    off, _ = RDropLabelSmoothedCrossEntropy(RDropConfig(0.1, rdrop_alpha=0.0), PAD)(model, b)
+    torch.manual_seed(7)
+    plain, _ = LabelSmoothedCrossEntropy(LabelSmoothedCrossEntropyConfig(0.1), PAD)(model, b)
+    assert torch.equal(off, plain)
+    crit = RDropLabelSmoothedCrossEntropy(RDropConfig(0.1, rdrop_alpha=5.0), PAD)
+    torch.manual_seed(7)
+    with_kl, _ = crit(model, b)
+    torch.manual_seed(7)
+    ce_only, _ = RDropLabelSmoothedCrossEntropy(RDropConfig(0.1, rdrop_alpha=1e-9), PAD)(model, b)  # same masks
+    assert float(with_kl.detach()) > float(ce_only.detach()) + 1e-3
+    model.eval()
+    assert torch.allclose(crit(model, b)[0], LabelSmoothedCrossEntropy(LabelSmoothedCrossEntropyConfig(0.1), PAD)(model, b)[0])
+
+
+def test_rdrop_alpha_negative_is_a_user_error():
+    from attnmt.config import make_config
+    from attnmt.criterions import RDropConfig
+
+    with pytest.raises(UserError, match="--rdrop-alpha -1.0 is negative"):
+        make_config(RDropConfig, {"rdrop_alpha": -1.0})

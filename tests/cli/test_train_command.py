@@ -91,6 +91,9 @@ def _run_cli(*args):
     (["--best-checkpoint-metric", "bleu"], "--best-checkpoint-metric bleu needs --eval-bleu"),
     (["--lr-scheduler", "polynomial_decay", "--total-num-update", "5", "--warmup-updates", "10"],
      "--total-num-update 5 must exceed --warmup-updates 10"),
+    (["--rdrop-alpha", "5"], "--rdrop-alpha does not apply to the chosen components"),
+    (["--criterion", "label_smoothed_cross_entropy_with_rdrop", "--rdrop-alpha", "-1"],
+     "--rdrop-alpha -1.0 is negative; use 0 (off) or a positive weight such as 5"),
     (["--sampled-segmentations"], "needs the BPE-dropout segmentations of the training split (train_sample1, ...); "
      "preprocess with --bpe-dropout 0.1, or train without --sampled-segmentations"),
 ])
@@ -113,6 +116,24 @@ def test_polynomial_decay_ends_at_max_update_unless_told(tmp_path, capsys):
           "--progress", "none", "--no-save"])
     lrs = {r["num_updates"]: r["lr"] for r in _records(ck, "train")}
     assert lrs[4] == pytest.approx(1e-3) and lrs[12] == pytest.approx(5e-4) and lrs[20] == 0.0, lrs
+
+
+def test_rdrop_run_learns_and_its_checkpoint_resumes_it(tmp_path):
+    """R-Drop from the command line (fairseq's criterion and option names): the loss falls, the checkpoint records
+    the criterion, and a resumed run goes on with it."""
+    data = make_data_bin(tmp_path / "bin", n_train=64)
+    ck = tmp_path / "ck"
+    args = ["train", str(data), *TINY_MODEL, "--save-dir", str(ck), "--max-tokens", "256", "--lr", "3e-3",
+            "--warmup-updates", "10", "--log-interval", "10", "--progress", "none", "--threads", "1",
+            "--criterion", "label_smoothed_cross_entropy_with_rdrop", "--rdrop-alpha", "5", "--dropout", "0.1"]
+    main([*args, "--max-update", "60"])
+    train = _records(ck, "train")
+    assert train[-1]["loss"] < train[0]["loss"] - 1.0
+    c = torch.load(ck / "checkpoint_last.pt", weights_only=True)
+    assert c["train"]["criterion"] == "label_smoothed_cross_entropy_with_rdrop"
+    assert c["train"]["criterion_config"] == {"label_smoothing": 0.1, "rdrop_alpha": 5.0}
+    main([*args, "--max-update", "70"])
+    assert _records(ck, "summary")[-1]["num_updates"] == 70
 
 
 def test_missing_data_bin_is_a_user_error(tmp_path):
