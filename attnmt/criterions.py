@@ -385,9 +385,11 @@ def rdrop_loss(lprobs: torch.Tensor, target: torch.Tensor, epsilon: float,
 
 @register("criterion", "label_smoothed_cross_entropy_with_rdrop", config=RDropConfig)
 class RDropLabelSmoothedCrossEntropy(BlockedLoss):
-    """R-Drop (Liang et al. 2021): every training batch runs twice through the model, with different dropout
-    masks, and the loss adds the two passes' symmetric KL divergence to their label-smoothed cross-entropies, so the
-    model learns to agree with itself whatever dropout removes. An update costs about twice the compute of one
+    """R-Drop (Liang et al. 2021): two dropout passes per batch, their symmetric KL added to the smoothed loss.
+
+    Every training batch runs twice through the model, with different dropout masks, and the loss adds the two
+    passes' symmetric KL divergence to their label-smoothed cross-entropies, so the model learns to agree with
+    itself whatever dropout removes. An update costs about twice the compute of one
     without it. Evaluation (no dropout) gives exactly label_smoothed_cross_entropy's loss, and so does
     ``--rdrop-alpha 0`` in training (fairseq's behaviour)."""
 
