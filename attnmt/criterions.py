@@ -389,9 +389,9 @@ class RDropLabelSmoothedCrossEntropy(BlockedLoss):
 
     Every training batch runs twice through the model, with different dropout masks, and the loss adds the two
     passes' symmetric KL divergence to their label-smoothed cross-entropies, so the model learns to agree with
-    itself whatever dropout removes. An update costs about twice the compute of one
-    without it. Evaluation (no dropout) gives exactly label_smoothed_cross_entropy's loss, and so does
-    ``--rdrop-alpha 0`` in training (fairseq's behaviour)."""
+    itself whatever dropout removes. An update costs about twice the compute of one without it. Evaluation (no
+    dropout) gives exactly label_smoothed_cross_entropy's loss, and so does ``--rdrop-alpha 0`` in training
+    (fairseq's behaviour)."""
 
     def __init__(self, cfg: RDropConfig, pad: int):
         self.cfg = cfg
