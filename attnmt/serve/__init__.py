@@ -52,6 +52,7 @@ def serve(translator, cfg, announce: Callable[[str], None] = print) -> dict:
     import uvicorn
 
     from attnmt.serve.app import create_app, make_batcher
+    from attnmt.serve.batcher import IDLE_WAKE_SECONDS
 
     batcher = make_batcher(cfg, thread=False)
     app = create_app(translator, cfg, batcher)
@@ -87,7 +88,8 @@ def serve(translator, cfg, announce: Callable[[str], None] = print) -> dict:
         if reason is not None:
             announce(f"continuous batching does not take {reason}: batching statically")
         batcher.run()
-        thread.join()
+        while thread.is_alive():  # a timed join, so that a second Ctrl-C's handler can run (batcher.IDLE_WAKE_SECONDS)
+            thread.join(IDLE_WAKE_SECONDS)
     finally:
         for s, h in before.items():
             signal.signal(s, h)

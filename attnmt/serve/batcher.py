@@ -30,6 +30,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+# While idle, the decoding loop wakes this often (seconds). Python runs a signal's handler on the main thread only,
+# between two bytecodes; when the kernel hands SIGTERM to another thread of the process (the HTTP server's, a
+# torch worker's), a main thread asleep in a wait without a timeout would never run it and the service would not
+# stop. Waking up lets the handler run within this long.
+IDLE_WAKE_SECONDS = 0.2
+
 
 class Overloaded(Exception):
     """The queue holds too many sentences; try again later."""
@@ -135,7 +141,7 @@ class Batcher:
             while not self._queue:
                 if self._stopping:
                     return None
-                self._cond.wait()
+                self._cond.wait(IDLE_WAKE_SECONDS)
             first = self._queue[0]
             deadline = first.arrived + self.batch_wait
             while not self._stopping:

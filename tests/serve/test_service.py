@@ -180,6 +180,31 @@ def test_sigterm_finishes_the_requests_in_flight_then_refuses_new_ones(ckpt, tra
         urllib.request.urlopen(s.url + "/health", timeout=5)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="tgkill(2), to aim the signal at one thread, is Linux's")
+def test_sigterm_stops_an_idle_service_whichever_thread_the_kernel_gives_it_to(ckpt):
+    """The kernel may hand a process's SIGTERM to any of its threads, but Python runs the handler on the main thread,
+    which an idle service keeps waiting for work: the service must still stop, promptly, with every thread tried."""
+    import ctypes
+    import os
+    import signal
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    tgkill = 234  # x86-64's syscall number; aarch64's is 131
+    if os.uname().machine == "aarch64":
+        tgkill = 131
+    s = Service(ckpt, "--max-len-b", "12")
+    try:
+        assert s.request("/health")[0] == 200
+        pid = s.proc.pid
+        others = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid)
+        assert others, "the service runs its HTTP server on a thread of its own"
+        assert libc.syscall(tgkill, pid, others[-1], int(signal.SIGTERM)) == 0, ctypes.get_errno()
+        assert s.proc.wait(20) == 0, "\n".join(s.lines)
+    finally:
+        s.kill()
+    assert "stopped by SIGTERM" in s.lines[-1], "\n".join(s.lines)
+
+
 def test_a_taken_port_is_a_one_line_error(ckpt, service):
     port = service.url.rsplit(":", 1)[1]
     r = subprocess.run([sys.executable, "-m", "attnmt.cli", "serve", "--path", str(ckpt), "--port", port],
