@@ -384,7 +384,7 @@ def rdrop_loss(lprobs: torch.Tensor, target: torch.Tensor, epsilon: float,
 
 
 @register("criterion", "label_smoothed_cross_entropy_with_rdrop", config=RDropConfig)
-class RDropLabelSmoothedCrossEntropy(BlockedLoss):
+class RDropLabelSmoothedCrossEntropy(LabelSmoothedCrossEntropy):
     """R-Drop (Liang et al. 2021): two dropout passes per batch, their symmetric KL added to the smoothed loss.
 
     Every training batch runs twice through the model, with different dropout masks, and the loss adds the two
@@ -393,14 +393,9 @@ class RDropLabelSmoothedCrossEntropy(BlockedLoss):
     dropout) gives exactly label_smoothed_cross_entropy's loss, and so does ``--rdrop-alpha 0`` in training
     (fairseq's behaviour)."""
 
-    def __init__(self, cfg: RDropConfig, pad: int):
-        self.cfg = cfg
-        self.pad = pad
-
     def __call__(self, model, batch) -> tuple[torch.Tensor, dict]:
         if not (model.training and self.cfg.rdrop_alpha > 0):
-            loss, nll = _loss(model, batch, self.pad, self.cfg.label_smoothing, self)
-            return loss, _logging(loss, nll, batch)
+            return super().__call__(model, batch)
         h, weight, target = _model_outputs(model, _twice(batch), self.pad)
         logits = torch.mm(h, weight.t())  # (2N, V): the KL term needs both passes' whole distributions
         lprobs = torch.log_softmax(logits.float(), dim=-1)
