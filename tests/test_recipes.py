@@ -58,38 +58,81 @@ def test_multi30k_recipe_smoke(tmp_path):
         assert "13a" in result["signature"]
     assert_png(out / "training_curves.png")
     assert_png(out / "attention_1.png")
-    # the measured speed decides: the probe's rate, the updates the budget buys, the dropout and the schedule for
-    # that many
+    # the measured speed decides: the probe's rate, the updates the budget buys, how many models share them, the
+    # dropout and the schedule for each model's share
     probe = re.search(r"probe: ([\d.]+) updates/s \((\w+)\) -> about (\d+) updates in 5 minutes; chosen: "
-                      r"precision \w+, dropout ([\d.]+), (.*) \(below 3500", r.stderr)
+                      r"precision \w+, dropout ([\d.]+), (.*?)(, 2 models of 2.5 minutes each \(seeds 1-2; settings "
+                      r"and updates per model\), translated as their ensemble)? \(below 3500", r.stderr)
     assert probe, r.stderr
     ups, precision, expected, dropout = float(probe[1]), probe[2], int(probe[3]), float(probe[4])
     assert precision == start["precision"] and abs(expected - ups * 5 * 60) <= 1
-    long_run = expected >= 3500
+    members = 2 if expected >= 8000 else 1
+    assert bool(probe[6]) == (members == 2), r.stderr
+    per_model = expected // members
+    long_run = per_model >= 3500
     assert dropout == (0.3 if long_run else 0.2) and f"--dropout {dropout}" in r.stderr
     if long_run:
-        assert probe[5] == f"a linear decay to 0 at update {expected}"
-        assert re.search(rf"lr scheduler: polynomial_decay {{[^}}]*'total_num_update': {expected}}}", r.stderr)
+        assert probe[5] == f"a linear decay to 0 at update {per_model}"
+        assert re.search(rf"lr scheduler: polynomial_decay {{[^}}]*'total_num_update': {per_model}}}", r.stderr)
     else:
         assert probe[5] == "the inverse square root schedule" and "lr scheduler: inverse_sqrt" in r.stderr
-    # the averaging window and the length penalty are chosen on val: every pair tried, the best one used
+    # the averaging window and the length penalty are chosen on val: every pair tried (for each model, and for the
+    # ensemble of their choices), the best one used
     rows = [line.split("\t") for line in (out / "val_choice.tsv").read_text().splitlines()[1:]]
-    assert [(k, lp) for k, lp, _ in rows] == [(k, lp) for k in ("1", "2", "best2") for lp in ("0.6", "1.0")]
+    tags = [""] if members == 1 else ["m1:", "m2:"]
+    expected_rows = [(t + k, lp) for t in tags for k in ("1", "2", "best2") for lp in ("0.6", "1.0")]
+    if members == 2:
+        expected_rows += [("ensemble", lp) for lp in ("0.6", "1.0")]
+    assert [(k, lp) for k, lp, _ in rows] == expected_rows
     best = max(rows, key=lambda row: float(row[2]))
-    assert f"chosen on val: average {best[0]}, lenpen {best[1]}" in r.stderr
+    what = "the ensemble of the 2 models" if best[0] == "ensemble" else f"average {best[0]}"
+    assert f"chosen on val: {what}, lenpen {best[1]}" in r.stderr
     val = json.loads((out / "val.bleu.json").read_text())
     assert round(val["score"], 2) == float(best[2])
 
 
-def test_multi30k_recipe_long_budget_decays_the_learning_rate_to_zero(tmp_path):
-    """A budget that buys 3,500 updates or more: dropout 0.3 and the linear decay to 0 at the expected count."""
-    r = run_recipe("multi30k", tmp_path, "multi30k", TRAIN_LINES="300", MAX_UPDATE="0", MAX_TIME_MINUTES="60",
+def test_multi30k_recipe_long_budget_trains_two_models_and_translates_with_their_ensemble(tmp_path):
+    """A budget that buys 8,000 updates or more: two models (seeds 1 and 2) of half the time and updates each, each
+    with dropout 0.3 and the linear decay to 0 at its share; val chooses each model's average and then between
+    them and their ensemble, which translates the test sets."""
+    r = run_recipe("multi30k", tmp_path, "multi30k", TRAIN_LINES="300", MAX_UPDATE="0", MAX_TIME_MINUTES="240",
                    EXTRA_TRAIN_ARGS=TINY + " --max-epoch 1", GEN_ARGS=SHORT, AVG="1")
-    probe = re.search(r"-> about (\d+) updates in 60 minutes; chosen: precision \w+, dropout 0.3, a linear decay to 0 "
-                      r"at update (\d+)", r.stderr)
-    assert probe and probe[1] == probe[2] and int(probe[1]) >= 3500, r.stderr
-    assert f"lr scheduler: polynomial_decay {{'lr': 0.002, 'warmup_updates': 500, 'end_learning_rate': 0.0, " \
-           f"'power': 1.0, 'total_num_update': {probe[1]}}}" in r.stderr
+    probe = re.search(r"-> about (\d+) updates in 240 minutes; chosen: precision \w+, dropout 0.3, a linear decay to 0 "
+                      r"at update (\d+), 2 models of 120 minutes each \(seeds 1-2", r.stderr)
+    assert probe and int(probe[1]) >= 8000 and int(probe[2]) == int(probe[1]) // 2, r.stderr
+    assert r.stderr.count(f"lr scheduler: polynomial_decay {{'lr': 0.002, 'warmup_updates': 500, "
+                          f"'end_learning_rate': 0.0, 'power': 1.0, 'total_num_update': {probe[2]}}}") == 2
+    import torch
+
+    work = tmp_path / "work"
+    first, second = (torch.load(work / d / "checkpoint_last.pt", map_location="cpu", weights_only=False)
+                     for d in ("checkpoints", "checkpoints2"))
+    assert [c["train"]["train_config"]["seed"] for c in (first, second)] == [1, 2]
+    assert [c["train"]["train_config"]["max_time_minutes"] for c in (first, second)] == [120, 120]
+    name = "encoder.layers.0.ffn.fc1.weight"
+    assert not torch.equal(first["model"][name], second["model"][name])  # two different models
+    rows = [line.split("\t") for line in (work / "results" / "val_choice.tsv").read_text().splitlines()[1:]]
+    assert [(k, lp) for k, lp, _ in rows] == [(k, lp) for k in ("m1:1", "m2:1", "ensemble") for lp in ("0.6", "1.0")]
+    best = max(rows, key=lambda row: float(row[2]))
+    val = json.loads((work / "results" / "val.bleu.json").read_text())
+    assert round(val["score"], 2) == float(best[2])
+    if best[0] == "ensemble":
+        assert f"chosen on val: the ensemble of the 2 models, lenpen {best[1]} (val BLEU {best[2]}) -> " \
+               f"{work}/checkpoints/averaged.pt:{work}/checkpoints2/averaged.pt" in r.stderr
+    else:
+        assert f"chosen on val: average {best[0]}, lenpen {best[1]}" in r.stderr
+    assert len((work / "results" / "test_2016_flickr.hyp.de").read_text().splitlines()) == 1000
+    assert_png(work / "results" / "training_curves2.png")
+
+
+def test_multi30k_recipe_one_model_on_request(tmp_path):
+    """MEMBERS=1 keeps a long budget in one model: the linear decay to 0 at the whole expected count."""
+    r = run_recipe("multi30k", tmp_path, "multi30k", TRAIN_LINES="300", MAX_UPDATE="0", MAX_TIME_MINUTES="240",
+                   MEMBERS="1", EXTRA_TRAIN_ARGS=TINY + " --max-epoch 1", GEN_ARGS=SHORT, AVG="1")
+    probe = re.search(r"-> about (\d+) updates in 240 minutes; chosen: precision \w+, dropout 0.3, a linear decay to 0 "
+                      r"at update (\d+) \(forced: MEMBERS\)", r.stderr)
+    assert probe and probe[1] == probe[2] and int(probe[1]) >= 8000, r.stderr
+    assert not (tmp_path / "work" / "checkpoints2").exists()
 
 
 def test_multi30k_recipe_reverse_direction(tmp_path):
@@ -110,6 +153,7 @@ def test_multi30k_recipe_reverse_direction(tmp_path):
     ({"SCHEDULE": "cosine"}, "SCHEDULE=cosine: use auto, inverse_sqrt or linear"),
     ({"AVG": "5 ten"}, "AVG=5 ten: give one or more positive whole numbers"),
     ({"LENPEN": "0.6,high"}, "LENPEN=0.6 high: give one or more numbers"),
+    ({"MEMBERS": "0"}, "MEMBERS=0: use auto or the number of models (1: one)"),
 ])
 def test_multi30k_recipe_refuses_unknown_pairs(tmp_path, env, message):
     r = subprocess.run(["bash", str(ROOT / "recipes" / "multi30k" / "run.sh")], cwd=ROOT,

@@ -15,7 +15,9 @@
 # come from the speed measured on this machine: a probe of 60 updates before training gives the updates the time
 # budget buys, and the settings follow from that count: below ~3,500 updates (still under-fitted at the end)
 # residual dropout 0.2 and the inverse square root schedule; from 3,500 on dropout 0.3 and a learning rate that
-# decays linearly to 0 at the expected count (the run is annealed when the budget ends instead of over-fitting).
+# decays linearly to 0 at the expected count (the run is annealed when the budget ends instead of over-fitting);
+# from ~8,000 on (more than one model can use: its validation loss stops falling near 5,000) the budget trains two
+# models of half the updates each (seeds 1 and 2, the settings for that half) and translates with their ensemble.
 # The probe, the expected updates and the choice are printed. The averaging windows tried on val include the
 # checkpoints around the best validation loss (a run that over-fits late still gets its best stretch), next to the
 # last ones.
@@ -28,6 +30,8 @@
 #                     fp32 (dropout 0.2), all three with the inverse square root schedule; amx is long's earlier
 #                     name                                                                [auto]
 #   DROPOUT           residual dropout, overriding the profile's                          [the profile's]
+#   MEMBERS           auto (the probe decides), or how many models share the budget (seeds 1..N, each with
+#                     1/N of the time and of the updates) and translate as an ensemble    [auto]
 #   SCHEDULE          auto (the probe decides), inverse_sqrt, or linear (decay to 0 at MAX_UPDATE, or at the
 #                     probe's expected updates)                                           [auto]
 #   ARCH              named architecture                                  [the profile's]
@@ -82,6 +86,9 @@ print(resolve_precision('auto', torch.device('cpu')))") ;;
 esac
 LONG_RUN_UPDATES=3500  # from this many expected updates on, dropout 0.3 and the linear decay (docs/experiments.md,
                        # "Multi30k: what was tried")
+ENSEMBLE_UPDATES=8000  # from this many expected updates on, two models of half the updates each, as an ensemble
+MEMBERS=${MEMBERS:-auto}
+[[ "$MEMBERS" =~ ^(auto|[1-9][0-9]*)$ ]] || fail "MEMBERS=$MEMBERS: use auto or the number of models (1: one)"
 SCHEDULE=${SCHEDULE:-auto}
 BPE_DROPOUT=${BPE_DROPOUT:-0}
 [[ "$BPE_DROPOUT" =~ ^(0|0?\.[0-9]+)$ ]] || fail "BPE_DROPOUT=$BPE_DROPOUT: use 0 (off) or a probability such as 0.1"
@@ -158,8 +165,13 @@ PY
   CAP=""; [ "$MAX_UPDATE" -gt 0 ] && CAP=" (at most MAX_UPDATE=$MAX_UPDATE)"
   PROBED="probe: $UPS updates/s ($PRECISION) -> about $EXPECTED updates in $MAX_TIME_MINUTES minutes$CAP"
 fi
-LONG=0; [ "$PROFILE" = auto ] && [ "$EXPECTED" -ge "$LONG_RUN_UPDATES" ] && LONG=1
 FORCED=()
+if [ "$MEMBERS" = auto ]; then
+  MEMBERS=1; [ "$PROFILE" = auto ] && [ "$EXPECTED" -ge "$ENSEMBLE_UPDATES" ] && MEMBERS=2
+else FORCED+=("MEMBERS"); fi
+EXPECTED=$((EXPECTED / MEMBERS))  # each model's share of the updates (0: no limit)
+MEMBER_MINUTES=$(python -c "print(f'{$MAX_TIME_MINUTES / $MEMBERS:g}')")
+LONG=0; [ "$PROFILE" = auto ] && [ "$EXPECTED" -ge "$LONG_RUN_UPDATES" ] && LONG=1
 if [ -n "${DROPOUT:-}" ]; then FORCED+=("DROPOUT")
 elif [ -n "${PROFILE_DROPOUT:-}" ]; then DROPOUT=$PROFILE_DROPOUT; FORCED+=("PROFILE=$PROFILE")
 else DROPOUT=0.2; [ "$LONG" = 1 ] && DROPOUT=0.3; fi
@@ -171,6 +183,9 @@ if [ -n "$SAMPLING" ]; then
   SAMPLED_TEXT=", BPE-dropout $BPE_DROPOUT (20 sampled segmentations, one epoch each in turn)"
 fi
 WHY=""; [ "${#FORCED[@]}" -gt 0 ] && WHY=" (forced: ${FORCED[*]})"
+MEMBERS_TEXT=""
+[ "$MEMBERS" -gt 1 ] && MEMBERS_TEXT=", $MEMBERS models of $MEMBER_MINUTES minutes each (seeds 1-$MEMBERS; \
+settings and updates per model), translated as their ensemble"
 if [ "$SCHEDULE" = linear ]; then
   [ "$EXPECTED" -gt 500 ] || fail "SCHEDULE=linear decays over the run's updates after 500 of warm-up, but only \
 $EXPECTED are expected; give MAX_UPDATE above 500 or use SCHEDULE=inverse_sqrt"
@@ -181,37 +196,25 @@ else
   TRAIN_ARGS="$BASE_TRAIN_ARGS $INVSQRT_ARGS --dropout $DROPOUT $SAMPLED"
   SCHEDULE_TEXT="the inverse square root schedule"
 fi
-log "3/6 ${PROBED:+$PROBED; }chosen: precision $PRECISION, dropout $DROPOUT, $SCHEDULE_TEXT$SAMPLED_TEXT$WHY \
-(below $LONG_RUN_UPDATES expected updates: dropout 0.2, inverse square root; from $LONG_RUN_UPDATES: dropout 0.3, linear decay)"
+log "3/6 ${PROBED:+$PROBED; }chosen: precision $PRECISION, dropout $DROPOUT, $SCHEDULE_TEXT$SAMPLED_TEXT\
+$MEMBERS_TEXT$WHY (below $LONG_RUN_UPDATES expected updates: dropout 0.2, inverse square root; from \
+$LONG_RUN_UPDATES: dropout 0.3, linear decay; from $ENSEMBLE_UPDATES: two models of half the updates each)"
 BEST_ARGS=""; [ "$AVG_BEST" -gt 0 ] && BEST_ARGS="--keep-best-checkpoints $AVG_BEST"
-log "3/6 train $ARCH for at most $MAX_TIME_MINUTES minutes -> $CKPT: vocabulary $VOCAB, $TRAIN_ARGS; average \
-{last $AVG, best $AVG_BEST}, lenpen {$LENPEN} (chosen on val)"
-# shellcheck disable=SC2086
-attnmt train "$BIN" --arch "$ARCH" --save-dir "$CKPT" --precision "$PRECISION" --threads "$THREADS" \
-  $TRAIN_ARGS --max-time-minutes "$MAX_TIME_MINUTES" --max-update "$MAX_UPDATE" \
-  --keep-last-epochs "$KEEP" $BEST_ARGS --seed 1 --log-interval 50 $BLEU_ARGS $EXTRA_TRAIN_ARGS
+CKPTS=()
+for i in $(seq 1 "$MEMBERS"); do
+  DIR=$CKPT; [ "$i" -gt 1 ] && DIR=$CKPT$i  # checkpoints, checkpoints2, ...
+  CKPTS+=("$DIR")
+  MODEL_TEXT=""; [ "$MEMBERS" -gt 1 ] && MODEL_TEXT=" (model $i of $MEMBERS, seed $i)"
+  log "3/6 train $ARCH$MODEL_TEXT for at most $MEMBER_MINUTES minutes -> $DIR: vocabulary $VOCAB, $TRAIN_ARGS; \
+average {last $AVG, best $AVG_BEST}, lenpen {$LENPEN} (chosen on val)"
+  # shellcheck disable=SC2086
+  attnmt train "$BIN" --arch "$ARCH" --save-dir "$DIR" --precision "$PRECISION" --threads "$THREADS" \
+    $TRAIN_ARGS --max-time-minutes "$MEMBER_MINUTES" --max-update "$MAX_UPDATE" \
+    --keep-last-epochs "$KEEP" $BEST_ARGS --seed "$i" --log-interval 50 $BLEU_ARGS $EXTRA_TRAIN_ARGS
+done
 
 log "4/6 average the last {$AVG} epoch checkpoints and the $AVG_BEST of the lowest validation loss; choose the \
-window and the length penalty on val"
-N=$(find "$CKPT" -name 'checkpoint[0-9]*.pt' | wc -l)
-MODELS=()
-if [ "$N" -ge 2 ]; then
-  for k in $AVG; do
-    [ "$k" -le "$N" ] || { log "only $N epoch checkpoints: averaging $k skipped"; continue; }
-    attnmt average-checkpoints --inputs "$CKPT" --num-epoch-checkpoints "$k" --output "$CKPT/averaged$k.pt"
-    MODELS+=("$k:$CKPT/averaged$k.pt")
-  done
-  [ "${#MODELS[@]}" -gt 0 ] || { attnmt average-checkpoints --inputs "$CKPT" --num-epoch-checkpoints "$N" \
-    --output "$CKPT/averaged$N.pt"; MODELS+=("$N:$CKPT/averaged$N.pt"); }
-else
-  MODELS+=("1:$CKPT/checkpoint_last.pt")
-fi
-mapfile -t BEST_CKPTS < <(find "$CKPT" -name 'checkpoint.best_loss_*.pt' | sort)
-if [ "$AVG_BEST" -gt 0 ] && [ "${#BEST_CKPTS[@]}" -ge 2 ]; then
-  attnmt average-checkpoints --inputs "${BEST_CKPTS[@]}" --output "$CKPT/averaged_best.pt"
-  MODELS+=("best${#BEST_CKPTS[@]}:$CKPT/averaged_best.pt")
-fi
-
+window and the length penalty on val${MEMBERS_TEXT:+, for each model and for the ensemble of their choices}"
 translate() {  # MODEL SUBSET LENPEN OUTFILE
   # shellcheck disable=SC2086
   attnmt generate "$BIN" --path "$1" --gen-subset "$2" --beam 4 --lenpen "$3" \
@@ -219,22 +222,58 @@ translate() {  # MODEL SUBSET LENPEN OUTFILE
 }
 gzip -cd "$RAW/val.$TGT.gz" > "$OUT/val.ref.$TGT"
 printf 'average\tlenpen\tval_bleu\n' > "$OUT/val_choice.tsv"
-BEST=""; BEST_BLEU=-1
-for m in "${MODELS[@]}"; do
-  k=${m%%:*}; model=${m#*:}
-  for lp in $LENPEN; do
-    translate "$model" valid "$lp" "$OUT/val.avg$k.lenpen$lp.hyp.$TGT"
-    b=$(attnmt score --ref "$OUT/val.ref.$TGT" --sys "$OUT/val.avg$k.lenpen$lp.hyp.$TGT" --json \
-      | python -c "import json, sys; print(round(json.load(sys.stdin)['score'], 2))")
-    printf '%s\t%s\t%s\n' "$k" "$lp" "$b" >> "$OUT/val_choice.tsv"
-    log "val: average $k, lenpen $lp -> BLEU $b"
-    if python -c "import sys; sys.exit(0 if $b > $BEST_BLEU else 1)"; then BEST="$k:$lp:$model"; BEST_BLEU=$b; fi
+BEST_BLEU=-1
+describe() { if [ "$1" = ensemble ]; then echo "the ensemble of the $MEMBERS models"; else echo "average $1"; fi; }
+try_on_val() {  # LABEL MODEL LENPEN HYP: decode and score val, record the row, keep the best of all rows
+  translate "$2" valid "$3" "$4"
+  TRIED=$(attnmt score --ref "$OUT/val.ref.$TGT" --sys "$4" --json \
+    | python -c "import json, sys; print(round(json.load(sys.stdin)['score'], 2))")
+  printf '%s\t%s\t%s\n' "$1" "$3" "$TRIED" >> "$OUT/val_choice.tsv"
+  log "val: $(describe "$1"), lenpen $3 -> BLEU $TRIED"
+  if python -c "import sys; sys.exit(0 if $TRIED > $BEST_BLEU else 1)"; then
+    BEST_LABEL=$1; BEST_MODEL=$2; LP=$3; BEST_HYP=$4; BEST_BLEU=$TRIED
+  fi
+}
+ENSEMBLE=()
+for i in "${!CKPTS[@]}"; do
+  DIR=${CKPTS[$i]}; TAG=""; [ "$MEMBERS" -gt 1 ] && TAG="m$((i + 1))"  # the rows of model 2 read m2:5, m2:best5...
+  N=$(find "$DIR" -maxdepth 1 -name 'checkpoint[0-9]*.pt' | wc -l)
+  MODELS=()
+  if [ "$N" -ge 2 ]; then
+    for k in $AVG; do
+      [ "$k" -le "$N" ] || { log "only $N epoch checkpoints in $DIR: averaging $k skipped"; continue; }
+      attnmt average-checkpoints --inputs "$DIR" --num-epoch-checkpoints "$k" --output "$DIR/averaged$k.pt"
+      MODELS+=("$k:$DIR/averaged$k.pt")
+    done
+    [ "${#MODELS[@]}" -gt 0 ] || { attnmt average-checkpoints --inputs "$DIR" --num-epoch-checkpoints "$N" \
+      --output "$DIR/averaged$N.pt"; MODELS+=("$N:$DIR/averaged$N.pt"); }
+  else
+    MODELS+=("1:$DIR/checkpoint_last.pt")
+  fi
+  mapfile -t BEST_CKPTS < <(find "$DIR" -maxdepth 1 -name 'checkpoint.best_loss_*.pt' | sort)
+  if [ "$AVG_BEST" -gt 0 ] && [ "${#BEST_CKPTS[@]}" -ge 2 ]; then
+    attnmt average-checkpoints --inputs "${BEST_CKPTS[@]}" --output "$DIR/averaged_best.pt"
+    MODELS+=("best${#BEST_CKPTS[@]}:$DIR/averaged_best.pt")
+  fi
+  OWN_BLEU=-1
+  for m in "${MODELS[@]}"; do
+    k=${m%%:*}; model=${m#*:}
+    for lp in $LENPEN; do
+      try_on_val "${TAG:+$TAG:}$k" "$model" "$lp" "$OUT/val.${TAG:+$TAG.}avg$k.lenpen$lp.hyp.$TGT"
+      if python -c "import sys; sys.exit(0 if $TRIED > $OWN_BLEU else 1)"; then OWN=$model; OWN_BLEU=$TRIED; fi
+    done
   done
+  cp "$OWN" "$DIR/averaged.pt.tmp" && mv "$DIR/averaged.pt.tmp" "$DIR/averaged.pt"
+  ENSEMBLE+=("$DIR/averaged.pt")
 done
-K=${BEST%%:*}; rest=${BEST#*:}; LP=${rest%%:*}; MODEL=${rest#*:}
-cp "$MODEL" "$CKPT/averaged.pt.tmp" && mv "$CKPT/averaged.pt.tmp" "$CKPT/averaged.pt"
-MODEL=$CKPT/averaged.pt
-log "chosen on val: average $K, lenpen $LP (val BLEU $BEST_BLEU) -> $MODEL"
+if [ "$MEMBERS" -gt 1 ]; then  # each model's own choice of average, together
+  for lp in $LENPEN; do
+    try_on_val ensemble "$(IFS=:; echo "${ENSEMBLE[*]}")" "$lp" "$OUT/val.ensemble.lenpen$lp.hyp.$TGT"
+  done
+fi
+MODEL=$BEST_MODEL
+[ "$MEMBERS" -eq 1 ] && MODEL=$CKPT/averaged.pt  # the same weights, under the name the docs use
+log "chosen on val: $(describe "$BEST_LABEL"), lenpen $LP (val BLEU $BEST_BLEU) -> $MODEL"
 
 log "5/6 generate (beam 4, lenpen $LP) and score"
 SPLITS=("valid:val")
@@ -245,7 +284,7 @@ done
 for split in "${SPLITS[@]}"; do
   subset=${split%%:*}; name=${split#*:}
   if [ "$name" = val ]; then
-    cp "$OUT/val.avg$K.lenpen$LP.hyp.$TGT" "$OUT/val.hyp.$TGT"
+    cp "$BEST_HYP" "$OUT/val.hyp.$TGT"
   else
     translate "$MODEL" "$subset" "$LP" "$OUT/$name.hyp.$TGT"
     gzip -cd "$RAW/$name.$TGT.gz" > "$OUT/$name.ref.$TGT"
@@ -255,10 +294,13 @@ for split in "${SPLITS[@]}"; do
 done
 
 log "6/6 plots -> $OUT"
-attnmt plot curves --log "$CKPT/train.jsonl" --out "$OUT/training_curves.png"
+for i in "${!CKPTS[@]}"; do
+  n=""; [ "$i" -gt 0 ] && n=$((i + 1))
+  attnmt plot curves --log "${CKPTS[$i]}/train.jsonl" --out "$OUT/training_curves$n.png"
+done
 n=0
 while IFS= read -r src && [ $n -lt 3 ]; do
   n=$((n + 1))
-  attnmt plot attention --path "$MODEL" --input "$src" --out "$OUT/attention_$n.png"
+  attnmt plot attention --path "${MODEL%%:*}" --input "$src" --out "$OUT/attention_$n.png"
 done < <(gzip -cd "$RAW/${TESTS[0]}.$SRC.gz" | sed -n "1,3p")
 log "done: BLEU in $OUT/*.bleu, plots in $OUT/*.png"
