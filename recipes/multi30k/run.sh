@@ -16,8 +16,9 @@
 # budget buys, and the settings follow from that count: below ~3,500 updates (still under-fitted at the end)
 # residual dropout 0.2 and the inverse square root schedule; from 3,500 on dropout 0.3 and a learning rate that
 # decays linearly to 0 at the expected count (the run is annealed when the budget ends instead of over-fitting);
-# from ~8,000 on (more than one model can use: its validation loss stops falling near 5,000) the budget trains two
-# models of half the updates each (seeds 1 and 2, the settings for that half) and translates with their ensemble.
+# from 8,000 on (more than one model can use: its validation loss stops falling near update 5,700) the budget
+# trains two models of half the updates each (seeds 1 and 2, the settings for that half) and translates with their
+# ensemble when val prefers it.
 # The probe, the expected updates and the choice are printed. The averaging windows tried on val include the
 # checkpoints around the best validation loss (a run that over-fits late still gets its best stretch), next to the
 # last ones.
