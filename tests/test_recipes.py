@@ -154,6 +154,9 @@ def test_multi30k_recipe_reverse_direction(tmp_path):
     ({"AVG": "5 ten"}, "AVG=5 ten: give one or more positive whole numbers"),
     ({"LENPEN": "0.6,high"}, "LENPEN=0.6 high: give one or more numbers"),
     ({"MEMBERS": "0"}, "MEMBERS=0: use auto or the number of models (1: one)"),
+    ({"MAX_TIME_MINUTES": "1h"}, "MAX_TIME_MINUTES=1h: give the training budget in minutes, such as 55"),
+    ({"MAX_TIME_MINUTES": "0"}, "MAX_TIME_MINUTES=0: give the training budget in minutes, such as 55"),
+    ({"MAX_UPDATE": "4.5k"}, "MAX_UPDATE=4.5k: give a whole number of updates (0: no limit)"),
 ])
 def test_multi30k_recipe_refuses_unknown_pairs(tmp_path, env, message):
     r = subprocess.run(["bash", str(ROOT / "recipes" / "multi30k" / "run.sh")], cwd=ROOT,

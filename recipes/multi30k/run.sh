@@ -90,6 +90,10 @@ LONG_RUN_UPDATES=3500  # from this many expected updates on, dropout 0.3 and the
 ENSEMBLE_UPDATES=8000  # from this many expected updates on, two models of half the updates each, as an ensemble
 MEMBERS=${MEMBERS:-auto}
 [[ "$MEMBERS" =~ ^(auto|[1-9][0-9]*)$ ]] || fail "MEMBERS=$MEMBERS: use auto or the number of models (1: one)"
+[[ "$MAX_TIME_MINUTES" =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)$ ]] \
+  && python -c "import sys; sys.exit(float('$MAX_TIME_MINUTES') <= 0)" \
+  || fail "MAX_TIME_MINUTES=$MAX_TIME_MINUTES: give the training budget in minutes, such as 55"
+[[ "$MAX_UPDATE" =~ ^[0-9]+$ ]] || fail "MAX_UPDATE=$MAX_UPDATE: give a whole number of updates (0: no limit)"
 SCHEDULE=${SCHEDULE:-auto}
 BPE_DROPOUT=${BPE_DROPOUT:-0}
 [[ "$BPE_DROPOUT" =~ ^(0|0?\.[0-9]+)$ ]] || fail "BPE_DROPOUT=$BPE_DROPOUT: use 0 (off) or a probability such as 0.1"
