@@ -94,25 +94,46 @@ class InverseSqrtConfig:
 
 
 class _Schedule:
-    """Common state: the update at which the schedule (re)started (``--reset-lr-scheduler`` moves it)."""
+    """Common state: the update and the training time (seconds) at which the schedule (re)started
+    (``--reset-lr-scheduler`` moves both; a start time of None is taken from the next clock reading), and the
+    training time last read from the clock, for schedules that follow it."""
 
     def __init__(self):
         self.start_update = 0
+        self.start_time: float | None = 0.0
+        self.train_time = 0.0
 
     def lr_at(self, step: int) -> float:  # step counted from start_update
         raise NotImplementedError
 
-    def step_update(self, optimizer: torch.optim.Optimizer, num_updates: int) -> float:
-        """Set and return the learning rate for the update that follows ``num_updates`` finished updates."""
+    def elapsed(self) -> float:
+        """Seconds of training since the schedule started, as of the last clock reading."""
+        return max(self.train_time - (self.start_time if self.start_time is not None else self.train_time), 0.0)
+
+    def step_update(self, optimizer: torch.optim.Optimizer, num_updates: int,
+                    train_time: float | None = None) -> float:
+        """Set and return the learning rate for the update that follows ``num_updates`` finished updates;
+        ``train_time``: the training clock now (seconds), when the caller has read it."""
+        if train_time is not None:
+            self.train_time = float(train_time)
+            if self.start_time is None:
+                self.start_time = self.train_time
         lr = self.lr_at(max(num_updates - self.start_update, 0))
         set_lr(optimizer, lr)
         return lr
 
+    def restart(self, num_updates: int) -> None:
+        """Start the schedule again from this update and the next clock reading."""
+        self.start_update = num_updates
+        self.start_time = None
+
     def state_dict(self) -> dict:
-        return {"start_update": int(self.start_update)}
+        return {"start_update": int(self.start_update),
+                "start_time": float(self.start_time if self.start_time is not None else self.train_time)}
 
     def load_state_dict(self, state: dict) -> None:
         self.start_update = int(state.get("start_update", 0))
+        self.start_time = float(state.get("start_time", 0.0))
 
 
 @register("lr_scheduler", "inverse_sqrt", config=InverseSqrtConfig)
@@ -169,6 +190,11 @@ class PolynomialDecayConfig:
     power: float = field(default=1.0, metadata={"above": 0, "help": "decay exponent (1: linear)"})
     total_num_update: int = field(default=0, metadata={"min": 0,
         "help": "update at which the decay reaches --end-learning-rate (0: --max-update)"})
+    total_train_minutes: float = field(default=0.0, metadata={"min": 0,
+        "help": "training minutes at which the decay reaches --end-learning-rate if that comes before "
+                "--total-num-update (0: off): the decay follows whichever of the update count and the training "
+                "clock is further along, so a run stopped by --max-time-minutes ends annealed even when it makes "
+                "fewer updates than planned"})
 
     def __post_init__(self):
         if self.lr <= 0:
@@ -184,7 +210,10 @@ class PolynomialDecayConfig:
 class PolynomialDecaySchedule(_Schedule):
     """fairseq's polynomial_decay: linear warm-up from ``lr / warmup_updates``, then
     ``end + (lr - end) * (1 - progress) ** power`` down to ``end_learning_rate`` at ``total_num_update``.
-    With a known budget of updates, power 1 (linear decay to 0) anneals the model by the end of the run."""
+    With a known budget of updates, power 1 (linear decay to 0) anneals the model by the end of the run.
+    ``total_train_minutes`` adds a budget of time: the schedule then stands at the further along of the update
+    count and the clock's share of those minutes (read by :meth:`step_update`), so a run whose updates were
+    over-estimated still reaches ``end_learning_rate`` when its time is up."""
 
     def __init__(self, cfg: PolynomialDecayConfig):
         super().__init__()
@@ -197,6 +226,8 @@ class PolynomialDecaySchedule(_Schedule):
         cfg = self.cfg
         if cfg.warmup_updates > 0 and step <= cfg.warmup_updates:
             return cfg.lr * max(step, 1) / cfg.warmup_updates
+        if cfg.total_train_minutes > 0:  # the clock's share of the minutes counts as that share of the updates
+            step = max(step, self.elapsed() / (cfg.total_train_minutes * 60) * cfg.total_num_update)
         if step >= cfg.total_num_update:
             return cfg.end_learning_rate
         remaining = 1 - (step - cfg.warmup_updates) / (cfg.total_num_update - cfg.warmup_updates)

@@ -61,7 +61,7 @@ def test_reset_moves_the_schedule_start():
     s.load_state_dict({"start_update": 100})
     opt = _opt()
     assert s.step_update(opt, 105) == pytest.approx(5e-4)
-    assert s.state_dict() == {"start_update": 100}
+    assert s.state_dict() == {"start_update": 100, "start_time": 0.0}
 
 
 def test_fixed():
@@ -81,6 +81,38 @@ def test_polynomial_decay_equals_fairseqs_formula():
         assert s.lr_at(total) == s.lr_at(10 * total) == pytest.approx(end)
     linear = PolynomialDecaySchedule(PolynomialDecayConfig(lr=1e-3, total_num_update=100))
     assert [linear.lr_at(n) for n in (0, 25, 99)] == pytest.approx([1e-3, 7.5e-4, 1e-5])
+
+
+def test_polynomial_decay_with_minutes_follows_the_further_along_of_updates_and_clock():
+    lr, warm, total = 1e-3, 10, 110
+    s = PolynomialDecaySchedule(PolynomialDecayConfig(lr=lr, warmup_updates=warm, total_num_update=total,
+                                                      total_train_minutes=10))
+    opt = _opt()
+    assert s.step_update(opt, 5, train_time=200.0) == pytest.approx(5 * lr / warm)  # the warm-up counts updates
+    # update 60 is half-way through the decay; 6 of 10 minutes stand for update 66
+    assert s.step_update(opt, 60, train_time=240.0) == pytest.approx(lr * 0.5)
+    assert s.step_update(opt, 60, train_time=360.0) == pytest.approx(lr * (1 - 56 / 100))
+    assert opt.param_groups[0]["lr"] == pytest.approx(lr * 0.44)
+    assert s.step_update(opt, 90) == pytest.approx(lr * 0.2)  # no reading: the last clock (6 minutes) stands
+    assert s.step_update(opt, 61, train_time=600.0) == 0.0  # the minutes are up: annealed
+    no_clock = PolynomialDecaySchedule(PolynomialDecayConfig(lr=lr, warmup_updates=warm, total_num_update=total))
+    assert no_clock.step_update(opt, 60, train_time=600.0) == pytest.approx(lr * 0.5)  # off by default
+
+
+def test_a_restarted_schedule_counts_updates_and_minutes_from_the_restart():
+    s = PolynomialDecaySchedule(PolynomialDecayConfig(lr=1e-3, total_num_update=100, total_train_minutes=10))
+    opt = _opt()
+    s.step_update(opt, 400, train_time=3000.0)
+    s.restart(400)
+    assert s.step_update(opt, 400, train_time=3000.0) == pytest.approx(1e-3)  # the clock's first reading
+    assert s.step_update(opt, 410, train_time=3300.0) == pytest.approx(0.5e-3)  # 5 minutes on: update 50
+    assert s.state_dict() == {"start_update": 400, "start_time": 3000.0}
+    resumed = PolynomialDecaySchedule(PolynomialDecayConfig(lr=1e-3, total_num_update=100, total_train_minutes=10))
+    resumed.load_state_dict(s.state_dict())
+    assert resumed.step_update(opt, 410, train_time=3300.0) == pytest.approx(0.5e-3)
+    old = PolynomialDecaySchedule(PolynomialDecayConfig(lr=1e-3, total_num_update=100, total_train_minutes=10))
+    old.load_state_dict({"start_update": 0})  # a checkpoint written before the schedule kept its start time
+    assert old.step_update(opt, 10, train_time=300.0) == pytest.approx(0.5e-3)
 
 
 def test_polynomial_decay_refuses_a_decay_that_ends_before_the_warmup():

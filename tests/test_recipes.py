@@ -72,8 +72,10 @@ def test_multi30k_recipe_smoke(tmp_path):
     long_run = per_model >= 3500
     assert dropout == (0.3 if long_run else 0.2) and f"--dropout {dropout}" in r.stderr
     if long_run:
-        assert probe[5] == f"a linear decay to 0 at update {per_model}"
-        assert re.search(rf"lr scheduler: polynomial_decay {{[^}}]*'total_num_update': {per_model}}}", r.stderr)
+        minutes = 5 / members  # the decay follows the clock as well: it ends when the model's time is up
+        assert probe[5] == f"a linear decay to 0 at update {per_model} or minute {minutes:g}, whichever comes first"
+        assert re.search(rf"lr scheduler: polynomial_decay {{[^}}]*'total_num_update': {per_model}, "
+                         rf"'total_train_minutes': {minutes}}}", r.stderr)
     else:
         assert probe[5] == "the inverse square root schedule" and "lr scheduler: inverse_sqrt" in r.stderr
     # the averaging window and the length penalty are chosen on val: every pair tried (for each model, and for the
@@ -98,10 +100,12 @@ def test_multi30k_recipe_long_budget_trains_two_models_and_translates_with_their
     r = run_recipe("multi30k", tmp_path, "multi30k", TRAIN_LINES="300", MAX_UPDATE="0", MAX_TIME_MINUTES="240",
                    EXTRA_TRAIN_ARGS=TINY + " --max-epoch 1", GEN_ARGS=SHORT, AVG="1")
     probe = re.search(r"-> about (\d+) updates in 240 minutes; chosen: precision \w+, dropout 0.3, a linear decay to 0 "
-                      r"at update (\d+), 2 models of 120 minutes each \(seeds 1-2", r.stderr)
+                      r"at update (\d+) or minute 120, whichever comes first, 2 models of 120 minutes each \(seeds 1-2",
+                      r.stderr)
     assert probe and int(probe[1]) >= 8000 and int(probe[2]) == int(probe[1]) // 2, r.stderr
     assert r.stderr.count(f"lr scheduler: polynomial_decay {{'lr': 0.002, 'warmup_updates': 500, "
-                          f"'end_learning_rate': 0.0, 'power': 1.0, 'total_num_update': {probe[2]}}}") == 2
+                          f"'end_learning_rate': 0.0, 'power': 1.0, 'total_num_update': {probe[2]}, "
+                          f"'total_train_minutes': 120.0}}") == 2
     import torch
 
     work = tmp_path / "work"
@@ -130,7 +134,7 @@ def test_multi30k_recipe_one_model_on_request(tmp_path):
     r = run_recipe("multi30k", tmp_path, "multi30k", TRAIN_LINES="300", MAX_UPDATE="0", MAX_TIME_MINUTES="240",
                    MEMBERS="1", EXTRA_TRAIN_ARGS=TINY + " --max-epoch 1", GEN_ARGS=SHORT, AVG="1")
     probe = re.search(r"-> about (\d+) updates in 240 minutes; chosen: precision \w+, dropout 0.3, a linear decay to 0 "
-                      r"at update (\d+) \(forced: MEMBERS\)", r.stderr)
+                      r"at update (\d+) or minute 240, whichever comes first \(forced: MEMBERS\)", r.stderr)
     assert probe and probe[1] == probe[2] and int(probe[1]) >= 8000, r.stderr
     assert not (tmp_path / "work" / "checkpoints2").exists()
 

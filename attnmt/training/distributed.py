@@ -301,6 +301,18 @@ def any_rank(flags: list[bool], device: torch.device) -> list[bool]:
     return [bool(v) for v in t.tolist()]
 
 
+def max_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    """Each value is its largest over the ranks (one MAX all-reduce): flags as 0/1, and clocks, which every rank
+    must read alike where they decide something that has to agree (the learning rate)."""
+    if world_size() == 1:
+        return [float(v) for v in values]
+    import torch.distributed as dist
+
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
 def check_peers(failure: str | None, device: torch.device) -> None:
     """Tell every rank whether some rank failed in this update, and raise everywhere if one did.
 

@@ -247,6 +247,7 @@ class TrainingRun:
         self._clock = lambda: train_time0 + time.perf_counter() - run_start  # the training time so far
         last_save = run_start
         start_updates = trainer.num_updates
+        trainer.follow_clock(train_time0)  # the first update's learning rate, where the schedule follows the clock
         self.last_valid = {}
         stop = decisions.already_done(cfg, trainer.num_updates, itr.epoch, itr.end_of_epoch(), train_time0)
         if stop:
@@ -266,13 +267,18 @@ class TrainingRun:
                 if out is not None and not out["overflow"] and n % cfg.log_interval == 0:
                     log_train(log, meter, trainer, itr, cfg, n, start_updates, run_start, self._clock())
                 log.advance(n, itr.epoch)
-                # clock- and signal-driven decisions, agreed on by all ranks (identity in a single process)
-                preempted, time_up, minutes_due = distributed.any_rank([
+                # clock- and signal-driven decisions, agreed on by all ranks (identity in a single process), and
+                # the training clock (the largest of the ranks' readings), for a schedule that follows it
+                clock = self._clock()
+                preempted, time_up, minutes_due, clock = distributed.max_over_ranks([
                     preemption is not None and preemption.requested,
-                    bool(cfg.max_time_minutes) and self._clock() >= cfg.max_time_minutes * 60,
+                    bool(cfg.max_time_minutes) and clock >= cfg.max_time_minutes * 60,
                     bool(cfg.save_interval_minutes)
                     and time.perf_counter() - last_save >= cfg.save_interval_minutes * 60,
+                    clock,
                 ], trainer.device)
+                preempted, time_up, minutes_due = bool(preempted), bool(time_up), bool(minutes_due)
+                trainer.follow_clock(clock)
                 decision = decisions.after_update(cfg, decisions.AfterUpdate(
                     n, itr.epoch, end_of_epoch, out is not None, time_up, preempted, minutes_due),
                     bool(self.valid_sets))

@@ -85,6 +85,10 @@ class Trainer:
         self.num_updates = n
         self.lr = self.lr_scheduler.step_update(self.optimizer, n)
 
+    def follow_clock(self, train_time: float) -> None:
+        """Give the schedule the training clock (seconds, the same on every rank) and set the next update's lr."""
+        self.lr = self.lr_scheduler.step_update(self.optimizer, self.num_updates, train_time)
+
     def prime_padding_batch(self, sample: dict) -> None:
         """The batch that stands in (with weight 0) for an empty padding batch before this rank has seen one."""
         self._dummy = move_to(sample, self.device)
@@ -211,7 +215,7 @@ class Trainer:
             if self.scaler is not None and state.get("scaler"):
                 self.scaler.load_state_dict(state["scaler"])
         if reset_lr_scheduler or reset_num_updates:
-            self.lr_scheduler.start_update = num_updates
+            self.lr_scheduler.restart(num_updates)
         else:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.set_num_updates(num_updates)

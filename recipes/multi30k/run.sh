@@ -15,7 +15,8 @@
 # come from the speed measured on this machine: a probe of 60 updates before training gives the updates the time
 # budget buys, and the settings follow from that count: below ~3,500 updates (still under-fitted at the end)
 # residual dropout 0.2 and the inverse square root schedule; from 3,500 on dropout 0.3 and a learning rate that
-# decays linearly to 0 at the expected count (the run is annealed when the budget ends instead of over-fitting);
+# decays linearly to 0 at the expected count or when the time is up, whichever comes first (the run is annealed
+# when the budget ends instead of over-fitting, even if the probe over-estimated the speed);
 # from 8,000 on (more than one model can use: its validation loss stops falling near update 5,700) the budget
 # trains two models of half the updates each (seeds 1 and 2, the settings for that half) and translates with their
 # ensemble when val prefers it.
@@ -34,7 +35,7 @@
 #   MEMBERS           auto (the probe decides), or how many models share the budget (seeds 1..N, each with
 #                     1/N of the time and of the updates) and translate as an ensemble    [auto]
 #   SCHEDULE          auto (the probe decides), inverse_sqrt, or linear (decay to 0 at MAX_UPDATE, or at the
-#                     probe's expected updates)                                           [auto]
+#                     probe's expected updates, or when the time is up if that comes first)  [auto]
 #   ARCH              named architecture                                  [the profile's]
 #   MAX_TIME_MINUTES  training time budget                                [55]
 #   MAX_UPDATE        stop after this many updates as well (0: no limit)  [0]
@@ -194,9 +195,11 @@ settings and updates per model), translated as their ensemble"
 if [ "$SCHEDULE" = linear ]; then
   [ "$EXPECTED" -gt 500 ] || fail "SCHEDULE=linear decays over the run's updates after 500 of warm-up, but only \
 $EXPECTED are expected; give MAX_UPDATE above 500 or use SCHEDULE=inverse_sqrt"
-  TRAIN_ARGS="$BASE_TRAIN_ARGS $LINEAR_ARGS --total-num-update $EXPECTED --dropout $DROPOUT $SAMPLED"
+  # the decay follows the training clock as well, should the updates come slower than the probe said
+  TRAIN_ARGS="$BASE_TRAIN_ARGS $LINEAR_ARGS --total-num-update $EXPECTED --total-train-minutes $MEMBER_MINUTES \
+--dropout $DROPOUT $SAMPLED"
   MAX_UPDATE=$EXPECTED  # the learning rate is 0 from there on
-  SCHEDULE_TEXT="a linear decay to 0 at update $EXPECTED"
+  SCHEDULE_TEXT="a linear decay to 0 at update $EXPECTED or minute $MEMBER_MINUTES, whichever comes first"
 else
   TRAIN_ARGS="$BASE_TRAIN_ARGS $INVSQRT_ARGS --dropout $DROPOUT $SAMPLED"
   SCHEDULE_TEXT="the inverse square root schedule"

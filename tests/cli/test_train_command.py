@@ -118,6 +118,19 @@ def test_polynomial_decay_ends_at_max_update_unless_told(tmp_path, capsys):
     assert lrs[4] == pytest.approx(1e-3) and lrs[12] == pytest.approx(5e-4) and lrs[20] == 0.0, lrs
 
 
+def test_polynomial_decay_with_total_train_minutes_ends_when_the_clock_does(tmp_path):
+    """--total-train-minutes: the training clock moves the decay on when it is ahead of the update count; here the
+    minutes (12 ms) are up long before update 20 of a decay planned for 1,000."""
+    data = make_data_bin(tmp_path / "bin", n_train=64)
+    ck = tmp_path / "ck"
+    main(["train", str(data), *TINY_MODEL, "--save-dir", str(ck), "--max-tokens", "128", "--max-update", "20",
+          "--lr-scheduler", "polynomial_decay", "--lr", "1e-3", "--total-num-update", "1000",
+          "--total-train-minutes", "0.0002", "--log-interval", "4", "--progress", "none", "--no-save"])
+    lrs = {r["num_updates"]: r["lr"] for r in _records(ck, "train")}
+    assert all(lr <= 1e-3 * (1 - n / 1000) for n, lr in lrs.items()), lrs  # never behind the update count
+    assert lrs[20] == 0.0 and _records(ck, "summary")[-1]["lr"] == 0.0, lrs
+
+
 def test_rdrop_run_learns_and_its_checkpoint_resumes_it(tmp_path):
     """R-Drop from the command line (fairseq's criterion and option names): the loss falls, the checkpoint records
     the criterion, and a resumed run goes on with it."""

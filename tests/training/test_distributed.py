@@ -329,6 +329,35 @@ def test_out_of_memory_on_one_rank_stops_both_ranks_without_a_hang(tmp_path):
     assert r0.startswith("rank 0: stopping with the other processes: 1 rank(s) failed in this update")
 
 
+def _clock_worker(rank: int, port: int, out_dir: str) -> None:
+    """One of two gloo ranks whose clocks read differently: they agree on the flags, the clock and so the lr."""
+    from attnmt.optim import PolynomialDecayConfig, PolynomialDecaySchedule
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    try:
+        agreed = distributed.max_over_ranks([rank == 1, False, 60.0 + 30.0 * rank], torch.device("cpu"))
+        schedule = PolynomialDecaySchedule(PolynomialDecayConfig(lr=1e-3, total_num_update=100,
+                                                                 total_train_minutes=2))
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+        lr = schedule.step_update(opt, 10, train_time=agreed[-1])
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps([agreed, lr]), encoding="utf-8")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_agree_on_the_clock_a_schedule_follows(tmp_path):
+    """A learning rate that follows the training clock is the same on every rank: the largest clock reading."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_clock_worker, args=(_free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    for rank in (0, 1):
+        agreed, lr = json.loads((tmp_path / f"rank{rank}.json").read_text(encoding="utf-8"))
+        assert agreed == [1.0, 0.0, 90.0]  # a flag raised on one rank, and rank 1's clock, on both ranks
+        assert lr == pytest.approx(1e-3 * (1 - 75 / 100))  # 90 s of 120 stand for update 75 of 100
+
+
 # ---------------------------------------------------------------------------------------------------- 2 processes
 
 
