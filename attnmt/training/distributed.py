@@ -292,13 +292,7 @@ def wrap(model: torch.nn.Module, backend: Backend) -> torch.nn.Module:
 
 def any_rank(flags: list[bool], device: torch.device) -> list[bool]:
     """Each flag is True on every rank when it is True on at least one (one MAX all-reduce)."""
-    if world_size() == 1:
-        return [bool(f) for f in flags]
-    import torch.distributed as dist
-
-    t = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [bool(v) for v in t.tolist()]
+    return [v > 0 for v in max_over_ranks([bool(f) for f in flags], device)]
 
 
 def max_over_ranks(values: list[float], device: torch.device) -> list[float]:
