@@ -9,6 +9,8 @@
 #   Multi30k: train/val/test_2016_flickr, SentencePiece 8k joined -> .gpu/data/m30k-bin; its German test -> .gpu/data/test.de,
 #   its English test -> .gpu/data/test.en
 #   For STEPS=sweep (not in the default): the Multi30k val.en.gz and val.de.gz -> .gpu/data/m30k-raw
+#   (TRIALS=FILE picks the trials, SWEEP_PARALLEL/SWEEP_THREADS/SWEEP_SECONDS how they run; .gpu/before only for
+#   the train and generate steps)
 # Then: bash benchmarks/gpu_check.sh (results under $OUT). STEPS chooses the parts (default: all but sweep, in this
 # order).
 set -u
@@ -21,7 +23,7 @@ export PYTHONPATH=/tmp/site
 # the checkout (after) and the tree before, each with cli/ placed as attnmt/cli (no install)
 rm -rf /tmp/after /tmp/before && mkdir -p /tmp/after
 tar --exclude=.gpu --exclude=.git --exclude=.venv -cf - . | tar -xf - -C /tmp/after && cp -r /tmp/after/cli /tmp/after/attnmt/cli
-cp -r $G/before /tmp/before && cp -r /tmp/before/cli /tmp/before/attnmt/cli
+if [ -d $G/before ]; then cp -r $G/before /tmp/before && cp -r /tmp/before/cli /tmp/before/attnmt/cli; fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__)"
 T0=$(date +%s); t() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
@@ -76,9 +78,14 @@ if has compile; then
 fi
 if has sweep; then  # the Multi30k recipe's trials at ~9,000 updates, both directions, side by side (val only)
   (cd /tmp/after && PYTHONPATH=/tmp/site:/tmp/after python3 benchmarks/multi30k_sweep.py --data-bin $M \
-    --refs $G/data/m30k-raw --out /tmp/sweep --parallel 8 --threads 2 --device cuda --attnmt "$A" \
-    --seconds ${SWEEP_SECONDS:-420} --trials-file benchmarks/multi30k_trials_9k.txt 2>&1 | tail -8 | cut -c1-600)
+    --refs $G/data/m30k-raw --out /tmp/sweep --parallel ${SWEEP_PARALLEL:-8} --threads ${SWEEP_THREADS:-2} \
+    --device cuda --attnmt "$A" --seconds ${SWEEP_SECONDS:-420} \
+    --trials-file ${TRIALS:-benchmarks/multi30k_trials_9k.txt} 2>&1 | tail -12 | cut -c1-600)
   cp /tmp/sweep/trials.jsonl $OUT/sweep_trials.jsonl
+  # every trial's valid losses, finished or not, one JSON line each
+  for d in /tmp/sweep/*/; do python3 -c "import json,sys; r=[json.loads(x) for x in open(sys.argv[1]) if '\"valid\"' in x]
+print(json.dumps({'name': sys.argv[2], 'valid': [(v['num_updates'], round(v['loss'], 4)) for v in r if v['type'] == 'valid']}))" \
+    $d/ckpt/train.jsonl $(basename $d) 2>/dev/null; done > $OUT/sweep_valid.jsonl
   t sweep done
 fi
 if has tests; then
