@@ -190,21 +190,41 @@ def test_on_a_gpu_the_api_and_the_service_give_the_commands_translations(ckpt):
         assert s.stop() == 0
 
 
-def test_a_continuous_search_gives_translates_results(translator):
-    lines = sentence_lines(20, 31)
+def continuous_translate(translator, lines: list[str], joining: int = 3) -> list[object]:
+    """Translate ``lines`` through one continuous search, ``joining`` sentences joining at each step."""
     ids = translator.encode_batch(lines)
     stream = translator.continuous_search(nbest=2)
     got: dict[int, object] = {}
-    for i in range(0, len(ids), 3):  # three sentences join at each step
-        stream.add(ids[i:i + 3], range(i, min(i + 3, len(ids))))
+    for i in range(0, len(ids), joining):
+        stream.add(ids[i:i + joining], range(i, min(i + joining, len(ids))))
         for k, hyps in stream.step():
             got[k] = translator.finish(ids[k], hyps, details=True, nbest=2)
     while stream.size:
         for k, hyps in stream.step():
             got[k] = translator.finish(ids[k], hyps, details=True, nbest=2)
+    return [got[i] for i in range(len(lines))]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_on_a_gpu_a_continuous_search_gives_translates_results(ckpt):
+    """The pool of places, per-sentence positions and the fused attention on CUDA tensors: the static search's
+    hypotheses and scores (fp32; bf16 rounds with the rows around it, as on the CPU)."""
+    from attnmt import Translator
+
+    lines = sentence_lines(30, 43)
+    with Translator(str(ckpt), max_len_b=12, device="cuda", precision="fp32") as t:
+        got = continuous_translate(t, lines)
+        want = t.translate(lines, nbest=2, details=True)
+    assert [[h.text for h in g.hypotheses] for g in got] == [[h.text for h in w.hypotheses] for w in want]
+    assert [g.score for g in got] == pytest.approx([w.score for w in want], abs=1e-4)
+
+
+def test_a_continuous_search_gives_translates_results(translator):
+    lines = sentence_lines(20, 31)
+    got = continuous_translate(translator, lines)  # three sentences join at each step
     want = translator.translate(lines, nbest=2, details=True)
-    assert [[h.text for h in got[i].hypotheses] for i in range(len(lines))] == [[h.text for h in w.hypotheses]
-                                                                               for w in want]
-    assert [got[i].score for i in range(len(lines))] == pytest.approx([w.score for w in want], abs=1e-5)
+    assert [[h.text for h in g.hypotheses] for g in got] == [[h.text for h in w.hypotheses] for w in want]
+    assert [g.score for g in got] == pytest.approx([w.score for w in want], abs=1e-5)
     with pytest.raises(UserError, match="continuous batching does not take the sampling search"):
         translator.continuous_search(sampling=True)
