@@ -4,7 +4,8 @@
 # Prepare .gpu/ first, on a machine with the data and the package index (data-bins binarized there):
 #   mkdir -p .gpu/whl .gpu/data && git archive BEFORE_COMMIT --prefix=before/ | tar -x -C .gpu
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux_2_17_x86_64 -d .gpu/whl sacremoses==0.1.1
+#       --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d .gpu/whl sacremoses==0.1.1 \
+#       starlette uvicorn httptools uvloop anyio sniffio h11 idna   (the serve extra, for the tests step)
 #   WMT: newstest2014 x10 as train, its first 500 lines as valid, SentencePiece 16k joined -> .gpu/data/wmt-bin
 #   Multi30k: train/val/test_2016_flickr, SentencePiece 8k joined -> .gpu/data/m30k-bin; its German test -> .gpu/data/test.de,
 #   its English test -> .gpu/data/test.en
@@ -76,7 +77,7 @@ if has compile; then
   echo "== train: after, --compile"; tg after 240 $W --archs ${COMPILE_ARCHS:-transformer_big} --precisions bf16 --updates 100 --warmup 10 --compile --profile 3 --json | tee $OUT/train_compile.txt | grep -v '^{'
   t compile done
 fi
-if has sweep; then  # the Multi30k recipe's trials at ~9,000 updates, both directions, side by side (val only)
+if has sweep; then  # the Multi30k recipe's trials (default: ~9,000 updates, both directions), side by side (val only)
   (cd /tmp/after && PYTHONPATH=/tmp/site:/tmp/after python3 benchmarks/multi30k_sweep.py --data-bin $M \
     --refs $G/data/m30k-raw --out /tmp/sweep --parallel ${SWEEP_PARALLEL:-8} --threads ${SWEEP_THREADS:-2} \
     --device cuda --attnmt "$A" --seconds ${SWEEP_SECONDS:-420} \
