@@ -83,10 +83,6 @@ if has sweep; then  # the Multi30k recipe's trials (default: ~9,000 updates, bot
     --device cuda --attnmt "$A" --seconds ${SWEEP_SECONDS:-420} \
     --trials-file ${TRIALS:-benchmarks/multi30k_trials_9k.txt} 2>&1 | tail -12 | cut -c1-600)
   cp /tmp/sweep/trials.jsonl $OUT/sweep_trials.jsonl
-  # every trial's valid losses, finished or not, one JSON line each
-  for d in /tmp/sweep/*/; do python3 -c "import json,sys; r=[json.loads(x) for x in open(sys.argv[1]) if '\"valid\"' in x]
-print(json.dumps({'name': sys.argv[2], 'valid': [(v['num_updates'], round(v['loss'], 4)) for v in r if v['type'] == 'valid']}))" \
-    $d/ckpt/train.jsonl $(basename $d) 2>/dev/null; done > $OUT/sweep_valid.jsonl
   t sweep done
 fi
 if has tests; then

@@ -3,7 +3,8 @@
 Each trial trains ``transformer_small`` on a recipe data-bin for a fixed number of updates with the recipe's base
 settings plus the trial's own options, then averages the last 5 and the last 10 epoch checkpoints and the 5 of the
 lowest valid loss, decodes val with beam 4 at lenpen 0.6, 1.0 and 1.5 and scores it with sacreBLEU: the choices the
-recipe itself makes on val (it tries 0.6 and 1.0), and a longer output. One JSON line per trial goes to OUT/trials.jsonl as soon as the trial ends.
+recipe itself makes on val (it tries 0.6 and 1.0), and a longer output. One JSON line per trial goes to
+OUT/trials.jsonl as soon as the trial ends, with its valid losses so far even when it did not finish.
 
     python benchmarks/multi30k_sweep.py --data-bin runs/multi30k_en_de/data-bin --refs runs/multi30k_en_de/raw \\
         --out sweep --parallel 4 --trial 'base2100 en de 2100 fp32 --dropout 0.2' ...
@@ -48,6 +49,20 @@ def run(cmd: str, log: Path, deadline: float) -> None:
         f.write(f"$ {cmd}\n")
         f.flush()
         subprocess.run(cmd, shell=True, check=True, stdout=f, stderr=subprocess.STDOUT, timeout=left)
+
+
+def valid_curve(log: Path) -> list[list[float]]:
+    """[update, valid loss] at each validation the training log holds so far (a line cut short is skipped)."""
+    curve: dict[int, float] = {}
+    if log.exists():
+        for line in open(log):
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue
+            if r.get("type") == "valid":
+                curve[r["num_updates"]] = round(r["loss"], 4)
+    return [[u, loss] for u, loss in sorted(curve.items())]
 
 
 def trial(spec: str, args, deadline: float) -> dict:
@@ -95,6 +110,7 @@ def trial(spec: str, args, deadline: float) -> dict:
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired, TimeoutError, OSError, StopIteration,
             ValueError) as e:
         result["error"] = f"{type(e).__name__}: {e}" + (f" {e.stderr[-500:]}" if getattr(e, "stderr", None) else "")
+    result["valid_curve"] = valid_curve(work / "ckpt" / "train.jsonl")  # also of a trial the deadline stopped
     result["minutes"] = round((time.time() - t0) / 60, 2)
     with open(args.out / "trials.jsonl", "a") as f:
         f.write(json.dumps(result) + "\n")

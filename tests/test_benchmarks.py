@@ -44,3 +44,17 @@ def test_the_continuous_batching_benchmark_finds_translates_translations(tmp_pat
     assert r.returncode == 0, r.stderr[-2000:]
     assert "| continuous, 6 in flight |" in r.stdout and "| static calls of 6 |" in r.stdout
     assert "continuous translations equal to translate's: 40/40" in r.stdout, r.stdout
+
+
+def test_the_sweep_reads_a_trials_valid_losses_from_a_log_cut_short(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("multi30k_sweep", ROOT / "benchmarks" / "multi30k_sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    log = tmp_path / "train.jsonl"
+    valid = [{"type": "valid", "num_updates": u, "loss": loss} for u, loss in ((130, 7.90412), (260, 6.63718))]
+    lines = [{"type": "start"}, valid[0], valid[0], {"type": "train", "num_updates": 200, "loss": 8.0}, valid[1]]
+    log.write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"type": "valid", "num_upd')  # killed mid-line
+    assert sweep.valid_curve(log) == [[130, 7.9041], [260, 6.6372]]
+    assert sweep.valid_curve(tmp_path / "never_written.jsonl") == []
