@@ -31,6 +31,7 @@ import re
 import signal
 import socket
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -181,8 +182,6 @@ class Peers:
 
     def describe_missing(self, me: int, wait_s: float = 2.0) -> str:
         """Who is missing; waits up to ``wait_s`` because a killed peer's sockets close before its process is gone."""
-        import time
-
         deadline = time.monotonic() + wait_s
         while True:
             found = self.missing(me)
@@ -249,12 +248,26 @@ def init(env: Env, run_backend: Backend, cfg: DistributedConfig) -> Peers:
     return Peers([h for h, _ in info], [p for _, p in info])
 
 
+# How long a leaving process yields the GIL to the communication threads (see shutdown).
+GIL_HANDOVER_S = 0.1
+
+
 def shutdown() -> None:
+    """Leave the process group at the end of a run (also one that failed).
+
+    A gradient all-reduce that DDP starts inside a backward pass carries a Python object, and the communication
+    thread that ran it drops that object after the all-reduce completes, under the GIL. A thread still waiting for
+    the GIL when the interpreter shuts down aborts the whole process ("terminate called without an active
+    exception", SIGABRT), which turns a clean exit, or a clean one-line error, into a crash when the process ends
+    right after a backward pass. So the process sleeps briefly here, which lets such a thread take the GIL and
+    finish. (The group's threads outlive destroy_process_group: DDP keeps the group alive, so they are not joined.)
+    """
     import torch.distributed as dist
 
     if is_initialized():
         with contextlib.suppress(Exception):  # a broken group cannot always be torn down cleanly
             dist.destroy_process_group()
+        time.sleep(GIL_HANDOVER_S)
 
 
 # 25 MB buckets (PyTorch's default, kept on purpose): transformer_big's 0.84 GB of fp32 gradients make 34 of them,

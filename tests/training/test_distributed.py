@@ -302,7 +302,7 @@ def _oom_worker(rank: int, port: int, out_dir: str) -> None:
             result = str(e)
         Path(out_dir, f"rank{rank}.txt").write_text(result, encoding="utf-8")
     finally:
-        dist.destroy_process_group()
+        distributed.shutdown()  # as attnmt train leaves the group: the process then exits cleanly
 
 
 def _free_port() -> int:
