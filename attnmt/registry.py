@@ -130,10 +130,12 @@ def register_arch(name: str, model: str, description: str | None = None) -> Call
 
 
 def get(kind: str, name: str) -> Entry:
+    load_builtins()  # a lookup from Python (not the CLI) sees the built-in components too
     return REGISTRIES[kind].get(name)
 
 
 def choices(kind: str) -> list[str]:
+    load_builtins()
     return REGISTRIES[kind].choices()
 
 
