@@ -60,24 +60,30 @@ def test_multi30k_recipe_smoke(tmp_path):
     assert_png(out / "attention_1.png")
     # the measured speed decides: the probe's rate, the updates the budget buys, how many models share them, the
     # dropout and the schedule for each model's share
-    probe = re.search(r"probe: ([\d.]+) updates/s \((\w+)\) -> about (\d+) updates in 5 minutes; chosen: "
-                      r"precision \w+, dropout ([\d.]+), (.*?)(, 2 models of 2.5 minutes each \(seeds 1-2; settings "
-                      r"and updates per model\), translated as their ensemble)? \(below 3500", r.stderr)
+    probe = re.search(r"probe: ([\d.]+) updates/s \((\w+)\) -> about (\d+) updates in 5 minutes"
+                      r"(?:; transformer_mini: ([\d.]+) updates/s, ([\d.]+)x \(below 2.2x: not trained\))?; chosen: "
+                      r"transformer_small, precision \w+, dropout ([\d.]+), (.*?)(, 2 models of 2.5 minutes each "
+                      r"\(seeds 1-2; settings and updates per model\), translated as their ensemble)? \(below 3500",
+                      r.stderr)
     assert probe, r.stderr
-    ups, precision, expected, dropout = float(probe[1]), probe[2], int(probe[3]), float(probe[4])
+    ups, precision, expected, dropout = float(probe[1]), probe[2], int(probe[3]), float(probe[6])
     assert precision == start["precision"] and abs(expected - ups * 5 * 60) <= 1
     members = 2 if expected >= 8000 else 1
-    assert bool(probe[6]) == (members == 2), r.stderr
+    # below the ensemble's count a second probe times transformer_mini (here as small as the other: no speed-up)
+    assert bool(probe[4]) == (members == 1), r.stderr
+    if probe[4]:
+        assert float(probe[5]) == round(float(probe[4]) / ups, 2) < 2.2
+    assert bool(probe[8]) == (members == 2), r.stderr
     per_model = expected // members
     long_run = per_model >= 3500
     assert dropout == (0.3 if long_run else 0.2) and f"--dropout {dropout}" in r.stderr
     if long_run:
         minutes = 5 / members  # the decay follows the clock as well: it ends when the model's time is up
-        assert probe[5] == f"a linear decay to 0 at update {per_model} or minute {minutes:g}, whichever comes first"
+        assert probe[7] == f"a linear decay to 0 at update {per_model} or minute {minutes:g}, whichever comes first"
         assert re.search(rf"lr scheduler: polynomial_decay {{[^}}]*'total_num_update': {per_model}, "
                          rf"'total_train_minutes': {minutes}}}", r.stderr)
     else:
-        assert probe[5] == "the inverse square root schedule" and "lr scheduler: inverse_sqrt" in r.stderr
+        assert probe[7] == "the inverse square root schedule" and "lr scheduler: inverse_sqrt" in r.stderr
     # the averaging window and the length penalty are chosen on val: every pair tried (for each model, and for the
     # ensemble of their choices), the best one used
     rows = [line.split("\t") for line in (out / "val_choice.tsv").read_text().splitlines()[1:]]
@@ -99,8 +105,8 @@ def test_multi30k_recipe_long_budget_trains_two_models_and_translates_with_their
     them and their ensemble, which translates the test sets."""
     r = run_recipe("multi30k", tmp_path, "multi30k", TRAIN_LINES="300", MAX_UPDATE="0", MAX_TIME_MINUTES="240",
                    EXTRA_TRAIN_ARGS=TINY + " --max-epoch 1", GEN_ARGS=SHORT, AVG="1")
-    probe = re.search(r"-> about (\d+) updates in 240 minutes; chosen: precision \w+, dropout 0.3, a linear decay to 0 "
-                      r"at update (\d+) or minute 120, whichever comes first, 2 models of 120 minutes each \(seeds 1-2",
+    probe = re.search(r"-> about (\d+) updates in 240 minutes; chosen: transformer_small, precision \w+, dropout 0.3, "
+                      r"a linear decay to 0 at update (\d+) or minute 120, whichever comes first, 2 models of 120 minutes each \(seeds 1-2",
                       r.stderr)
     assert probe and int(probe[1]) >= 8000 and int(probe[2]) == int(probe[1]) // 2, r.stderr
     assert r.stderr.count(f"lr scheduler: polynomial_decay {{'lr': 0.002, 'warmup_updates': 500, "
@@ -133,16 +139,41 @@ def test_multi30k_recipe_one_model_on_request(tmp_path):
     """MEMBERS=1 keeps a long budget in one model: the linear decay to 0 at the whole expected count."""
     r = run_recipe("multi30k", tmp_path, "multi30k", TRAIN_LINES="300", MAX_UPDATE="0", MAX_TIME_MINUTES="240",
                    MEMBERS="1", EXTRA_TRAIN_ARGS=TINY + " --max-epoch 1", GEN_ARGS=SHORT, AVG="1")
-    probe = re.search(r"-> about (\d+) updates in 240 minutes; chosen: precision \w+, dropout 0.3, a linear decay to 0 "
-                      r"at update (\d+) or minute 240, whichever comes first \(forced: MEMBERS\)", r.stderr)
+    probe = re.search(r"-> about (\d+) updates in 240 minutes; chosen: transformer_small, precision \w+, dropout 0.3, "
+                      r"a linear decay to 0 at update (\d+) or minute 240, whichever comes first \(forced: MEMBERS\)", r.stderr)
     assert probe and probe[1] == probe[2] and int(probe[1]) >= 8000, r.stderr
     assert not (tmp_path / "work" / "checkpoints2").exists()
 
 
+def test_multi30k_recipe_trains_transformer_mini_where_it_is_fast_enough(tmp_path):
+    """Where the second probe finds transformer_mini MINI_SPEEDUP times as fast (here any speed-up qualifies), the
+    recipe trains it, with the settings for its own count: the time MAX_UPDATE stands for buys it SPEEDUP times as
+    many updates."""
+    r = run_recipe("multi30k", tmp_path, "multi30k", TRAIN_LINES="300", MAX_UPDATE="40", MAX_TIME_MINUTES="5",
+                   MINI_SPEEDUP="0.01", EXTRA_TRAIN_ARGS=TINY, GEN_ARGS=SHORT, AVG="1")
+    probe = re.search(r"probe: ([\d.]+) updates/s \(\w+\) -> about 40 updates in 5 minutes \(at most MAX_UPDATE=40\); "
+                      r"transformer_mini: ([\d.]+) updates/s, ([\d.]+)x \(from 0.01x on it is trained\) -> about "
+                      r"(\d+) updates; chosen: transformer_mini, precision \w+, dropout 0.2, the inverse square root "
+                      r"schedule \(below", r.stderr)
+    assert probe, r.stderr
+    ups, mini_ups, speedup, expected = float(probe[1]), float(probe[2]), float(probe[3]), int(probe[4])
+    assert speedup == round(mini_ups / ups, 2)
+    assert expected == min(int(mini_ups * 5 * 60), round(40 * speedup))
+    assert "3/6 train transformer_mini for at most 5 minutes" in r.stderr
+    import torch
+
+    last = torch.load(tmp_path / "work" / "checkpoints" / "checkpoint_last.pt", map_location="cpu", weights_only=False)
+    assert last["arch"] == "transformer_mini" and last["train"]["train_config"]["max_update"] == expected
+    assert len((tmp_path / "work" / "results" / "test_2016_flickr.hyp.de").read_text().splitlines()) == 1000
+
+
 def test_multi30k_recipe_reverse_direction(tmp_path):
-    """The same recipe for another pair: German -> English, only the SRC/TGT knobs change."""
-    run_recipe("multi30k", tmp_path, "multi30k", SRC="de", TGT="en", TRAIN_LINES="300", MAX_UPDATE="2",
-               MAX_TIME_MINUTES="5", EXTRA_TRAIN_ARGS=TINY, GEN_ARGS=SHORT, AVG="2")
+    """The same recipe for another pair: German -> English, only the SRC/TGT knobs change. A given ARCH is kept
+    (no second probe)."""
+    r = run_recipe("multi30k", tmp_path, "multi30k", SRC="de", TGT="en", TRAIN_LINES="300", MAX_UPDATE="2",
+                   MAX_TIME_MINUTES="5", ARCH="transformer_small", MINI_SPEEDUP="0.01", EXTRA_TRAIN_ARGS=TINY,
+                   GEN_ARGS=SHORT, AVG="2")
+    assert "transformer_mini" not in r.stderr and "(forced: ARCH)" in r.stderr, r.stderr
     out = tmp_path / "work" / "results"
     assert (tmp_path / "work" / "data-bin" / "train.de-en.de.bin").exists()
     refs = (out / "test_2016_flickr.ref.en").read_text().splitlines()
@@ -161,6 +192,7 @@ def test_multi30k_recipe_reverse_direction(tmp_path):
     ({"MAX_TIME_MINUTES": "1h"}, "MAX_TIME_MINUTES=1h: give the training budget in minutes, such as 55"),
     ({"MAX_TIME_MINUTES": "0"}, "MAX_TIME_MINUTES=0: give the training budget in minutes, such as 55"),
     ({"MAX_UPDATE": "4.5k"}, "MAX_UPDATE=4.5k: give a whole number of updates (0: no limit)"),
+    ({"MINI_SPEEDUP": "fast"}, "MINI_SPEEDUP=fast: give a speed ratio, such as 2.2"),
 ])
 def test_multi30k_recipe_refuses_unknown_pairs(tmp_path, env, message):
     r = subprocess.run(["bash", str(ROOT / "recipes" / "multi30k" / "run.sh")], cwd=ROOT,

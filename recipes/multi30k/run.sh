@@ -20,7 +20,11 @@
 # from 8,000 on (more than one model can use: its validation loss stops falling near update 5,700) the budget
 # trains two models of half the updates each (seeds 1 and 2, the settings for that half) and translates with their
 # ensemble when val prefers it.
-# The probe, the expected updates and the choice are printed. The averaging windows tried on val include the
+# The model: transformer_small, unless a second probe finds transformer_mini (4+4 layers, d 128) at least
+# MINI_SPEEDUP times as fast on this machine (a budget below 8,000 updates only): then transformer_mini, with the
+# settings for its own expected updates. Its extra updates pay where its speed-up is large (fp32: 2.6x, val +0.5 to
+# +0.9) and tie where it is small (bf16: 1.8x).
+# The probes, the expected updates and the choice are printed. The averaging windows tried on val include the
 # checkpoints around the best validation loss (a run that over-fits late still gets its best stretch), next to the
 # last ones.
 #
@@ -36,7 +40,8 @@
 #                     1/N of the time and of the updates) and translate as an ensemble    [auto]
 #   SCHEDULE          auto (the probe decides), inverse_sqrt, or linear (decay to 0 at MAX_UPDATE, or at the
 #                     probe's expected updates, or when the time is up if that comes first)  [auto]
-#   ARCH              named architecture                                  [the profile's]
+#   ARCH              named architecture                                  [the probes' choice]
+#   MINI_SPEEDUP      train transformer_mini when it is at least this many times as fast as transformer_small [2.2]
 #   MAX_TIME_MINUTES  training time budget                                [55]
 #   MAX_UPDATE        stop after this many updates as well (0: no limit)  [0]
 #   THREADS           CPU threads                                         [number of cores]
@@ -100,7 +105,12 @@ BPE_DROPOUT=${BPE_DROPOUT:-0}
 [[ "$BPE_DROPOUT" =~ ^(0|0?\.[0-9]+)$ ]] || fail "BPE_DROPOUT=$BPE_DROPOUT: use 0 (off) or a probability such as 0.1"
 case "$SCHEDULE" in auto|inverse_sqrt|linear) ;; *) fail "SCHEDULE=$SCHEDULE: use auto, inverse_sqrt or linear" ;; esac
 # The profiles share the model and schedule chosen on val; see docs/experiments.md for what each was measured against.
+ARCH_FORCED=${ARCH:+ARCH}
 ARCH=${ARCH:-transformer_small}
+MINI_ARCH=transformer_mini
+MINI_SPEEDUP=${MINI_SPEEDUP:-2.2}  # fp32 on 2 cores: 2.6x, val +0.5 to +0.9; bf16: 1.8x, a tie (docs/experiments.md)
+[[ "$MINI_SPEEDUP" =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)$ ]] \
+  || fail "MINI_SPEEDUP=$MINI_SPEEDUP: give a speed ratio, such as 2.2"
 VOCAB=${VOCAB:-8000}
 AVG=${AVG:-5 10}
 AVG_BEST=${AVG_BEST:-5}
@@ -144,36 +154,55 @@ python -c "import sys; sys.exit(0 if float('$BPE_DROPOUT') > 0 else 1)" \
 attnmt preprocess -s "$SRC" -t "$TGT" --trainpref "$TRAIN" --validpref "$RAW/val" --testpref "$TESTPREF" \
   --destdir "$BIN" --bpe sentencepiece --vocab-size "$VOCAB" --joined-dictionary --workers "$THREADS" $SAMPLING
 
-EXPECTED=$MAX_UPDATE
-if [ "$PROFILE" = auto ] || { [ "$SCHEDULE" = linear ] && [ "$MAX_UPDATE" -eq 0 ]; }; then
-  # the probe: 60 updates of the real model on the real data, nothing saved; the rate of its last 40 (the first 20
-  # build the kernels of new batch shapes) stands for the whole run
-  PROBE=$WORK/probe
-  rm -rf "$PROBE"
+probe() {  # ARCH: 60 updates of ARCH on the real data, nothing saved; prints the rate of the last 40 (updates/s;
+  # the first 20 build the kernels of new batch shapes), which stands for the whole run
+  local dir=$WORK/probe
+  rm -rf "$dir"
   # shellcheck disable=SC2086
-  attnmt train "$BIN" --arch "$ARCH" --save-dir "$PROBE" --precision "$PRECISION" --threads "$THREADS" \
+  attnmt train "$BIN" --arch "$1" --save-dir "$dir" --precision "$PRECISION" --threads "$THREADS" \
     $BASE_TRAIN_ARGS $INVSQRT_ARGS --max-update 60 --no-save --disable-validation --log-interval 20 --progress none \
-    --seed 1 $EXTRA_TRAIN_ARGS 2> "$WORK/probe.log" || { cat "$WORK/probe.log" >&2; fail "the speed probe failed"; }
-  read -r UPS EXPECTED < <(python - "$PROBE/train.jsonl" "$MAX_TIME_MINUTES" "$MAX_UPDATE" <<'PY'
+    --seed 1 $EXTRA_TRAIN_ARGS 2> "$WORK/probe.$1.log" || { cat "$WORK/probe.$1.log" >&2; fail "the speed probe of $1 failed"; }
+  python - "$dir/train.jsonl" <<'PY'
 import json, sys
 recs = [json.loads(x) for x in open(sys.argv[1], encoding="utf-8")]
 rates = sorted(r["ups"] for r in [r for r in recs if r["type"] == "train"][1:])
 summary = next(r for r in recs if r["type"] == "summary")
 ups = rates[len(rates) // 2] if rates else summary["updates_this_run"] / max(summary["train_time"], 1e-9)
-ups = round(ups, 3)  # the count follows from the rate as printed
-expected = int(ups * float(sys.argv[2]) * 60)
-if int(sys.argv[3]) > 0:
-    expected = min(expected, int(sys.argv[3]))
-print(f"{ups:.3f}", expected)
+print(f"{ups:.3f}")  # the counts follow from the rate as printed
 PY
-)
-  rm -rf "$PROBE"
+  rm -rf "$dir"
+}
+budget() {  # UPS CAP: the updates MAX_TIME_MINUTES buy at UPS updates/s, at most CAP (0: no cap)
+  python -c "n = int($1 * $MAX_TIME_MINUTES * 60); print(min(n, $2) if $2 > 0 else n)"
+}
+
+EXPECTED=$MAX_UPDATE
+if [ "$PROFILE" = auto ] || { [ "$SCHEDULE" = linear ] && [ "$MAX_UPDATE" -eq 0 ]; }; then
+  UPS=$(probe "$ARCH")
+  EXPECTED=$(budget "$UPS" "$MAX_UPDATE")
   CAP=""; [ "$MAX_UPDATE" -gt 0 ] && CAP=" (at most MAX_UPDATE=$MAX_UPDATE)"
   PROBED="probe: $UPS updates/s ($PRECISION) -> about $EXPECTED updates in $MAX_TIME_MINUTES minutes$CAP"
+  if [ "$PROFILE" = auto ] && [ -z "$ARCH_FORCED" ] && [ "$EXPECTED" -lt "$ENSEMBLE_UPDATES" ]; then
+    MINI_UPS=$(probe "$MINI_ARCH")
+    SPEEDUP=$(python -c "print(f'{$MINI_UPS / $UPS:.2f}')")
+    if python -c "import sys; sys.exit(0 if $SPEEDUP >= $MINI_SPEEDUP else 1)"; then
+      ARCH=$MINI_ARCH
+      # MAX_UPDATE stands for a slower machine's count of transformer_small updates: the same time buys
+      # transformer_mini SPEEDUP times as many
+      MAX_UPDATE=$(python -c "print(round($MAX_UPDATE * $SPEEDUP))")
+      EXPECTED=$(budget "$MINI_UPS" "$MAX_UPDATE")
+      PROBED="$PROBED; $MINI_ARCH: $MINI_UPS updates/s, ${SPEEDUP}x (from ${MINI_SPEEDUP}x on it is trained) -> \
+about $EXPECTED updates"
+    else
+      PROBED="$PROBED; $MINI_ARCH: $MINI_UPS updates/s, ${SPEEDUP}x (below ${MINI_SPEEDUP}x: not trained)"
+    fi
+  fi
 fi
 FORCED=()
+[ -n "$ARCH_FORCED" ] && FORCED+=("ARCH")
 if [ "$MEMBERS" = auto ]; then
-  MEMBERS=1; [ "$PROFILE" = auto ] && [ "$EXPECTED" -ge "$ENSEMBLE_UPDATES" ] && MEMBERS=2
+  MEMBERS=1; [ "$PROFILE" = auto ] && [ "$ARCH" != "$MINI_ARCH" ] && [ "$EXPECTED" -ge "$ENSEMBLE_UPDATES" ] \
+    && MEMBERS=2
 else FORCED+=("MEMBERS"); fi
 EXPECTED=$((EXPECTED / MEMBERS))  # each model's share of the updates (0: no limit)
 MEMBER_MINUTES=$(python -c "print(f'{$MAX_TIME_MINUTES / $MEMBERS:g}')")
@@ -204,7 +233,7 @@ else
   TRAIN_ARGS="$BASE_TRAIN_ARGS $INVSQRT_ARGS --dropout $DROPOUT $SAMPLED"
   SCHEDULE_TEXT="the inverse square root schedule"
 fi
-log "3/6 ${PROBED:+$PROBED; }chosen: precision $PRECISION, dropout $DROPOUT, $SCHEDULE_TEXT$SAMPLED_TEXT\
+log "3/6 ${PROBED:+$PROBED; }chosen: $ARCH, precision $PRECISION, dropout $DROPOUT, $SCHEDULE_TEXT$SAMPLED_TEXT\
 $MEMBERS_TEXT$WHY (below $LONG_RUN_UPDATES expected updates: dropout 0.2, inverse square root; from \
 $LONG_RUN_UPDATES: dropout 0.3, linear decay; from $ENSEMBLE_UPDATES: two models of half the updates each)"
 BEST_ARGS=""; [ "$AVG_BEST" -gt 0 ] && BEST_ARGS="--keep-best-checkpoints $AVG_BEST"

@@ -365,7 +365,12 @@ def test_named_architectures():
     small = registry.arch_config("transformer_small")
     assert (small.encoder_layers, small.decoder_embed_dim, small.encoder_ffn_embed_dim, small.encoder_attention_heads,
             small.dropout, small.share_all_embeddings) == (3, 256, 1024, 4, 0.3, True)
-    for name in ("transformer", "transformer_big", "transformer_iwslt_de_en", "transformer_small"):
+    mini = registry.arch_config("transformer_mini")  # the Multi30k recipe's model for slow CPUs
+    assert (mini.encoder_layers, mini.decoder_layers, mini.encoder_embed_dim, mini.decoder_embed_dim,
+            mini.encoder_ffn_embed_dim, mini.decoder_ffn_embed_dim, mini.encoder_attention_heads,
+            mini.decoder_attention_heads, mini.dropout, mini.share_all_embeddings) == (
+        4, 4, 128, 128, 256, 256, 4, 4, 0.3, True)
+    for name in ("transformer", "transformer_big", "transformer_iwslt_de_en", "transformer_small", "transformer_mini"):
         assert registry.get("arch", name).model == "transformer"
     assert registry.get("model", "transformer").obj is TransformerModel
 
