@@ -36,7 +36,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run(args, precision: str, max_tokens: int) -> dict:
+def run(args, precision: str, max_tokens: int, graphs: str = "on") -> dict:
     from attnmt.backends.base import DecodingKernels
     from attnmt.generation.beam import BeamSearchConfig
     from attnmt.generation.generator import GenerationConfig
@@ -51,6 +51,9 @@ def run(args, precision: str, max_tokens: int) -> dict:
     if args.kernels == "cpu":  # the search as the CPU backend runs it, on this device
         cpu_kernels = DecodingKernels(row_bucket=None, blockwise_topk=True, low_precision_scores=True)
         generator.backend.decoding_kernels = lambda: cpu_kernels
+    if graphs == "off":  # the slot cache's steps, launched kernel by kernel
+        eager = replace(generator.backend.decoding_kernels(), graph_steps=False)
+        generator.backend.decoding_kernels = lambda: eager
     if args.as_before:  # the device's kernels, scoring 256 rows at a time as before
         before = replace(generator.backend.decoding_kernels(), score_rows=256)
         generator.backend.decoding_kernels = lambda: before
@@ -81,6 +84,7 @@ def run(args, precision: str, max_tokens: int) -> dict:
     tokens = sum(len(h[0].tokens) for _, h in results if h)
     score = corpus_bleu(hyps, refs)
     return {"precision": precision, "max_tokens": max_tokens, "kernels": args.kernels, "device": str(device),
+            "graphs": graphs,
             "sentences": len(sources), "sentences_per_s": len(sources) / best, "tokens_per_s": tokens / best,
             "best_s": best, "bleu": round(score.score, 2), "length_ratio": round(score.sys_len / score.ref_len, 4),
             "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
@@ -103,6 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--early-stop", choices=("exact", "beam"), default="exact")
     ap.add_argument("--kernels", choices=("device", "cpu"), default="device",
                     help="device: the backend's decoding kernels; cpu: the CPU backend's, on this device")
+    ap.add_argument("--graphs", default="on", help="on: beam steps replayed as CUDA graphs (the backend's choice); "
+                                                     "off: the slot cache's steps; comma-separated for both")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=200, help="sentences translated first, untimed")
     ap.add_argument("--limit", type=int, default=0, help="only the first N sentences")
@@ -120,18 +126,19 @@ def main(argv: list[str] | None = None) -> None:
     name = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "CPU"
     print(f"{name}, torch {torch.__version__}; beam {args.beam}, lenpen {args.lenpen}, early stop {args.early_stop}, "
           f"{args.kernels} kernels", file=sys.stderr)
-    print(f"{'precision':<10} {'max tokens':>10} {'sent/s':>9} {'tgt tok/s':>10} {'GiB':>6} {'BLEU':>6} {'len ratio':>9}",
-          flush=True)
+    print(f"{'precision':<10} {'max tokens':>10} {'graphs':>6} {'sent/s':>9} {'tgt tok/s':>10} {'GiB':>6} {'BLEU':>6} "
+          f"{'len ratio':>9}", flush=True)
     rows = []
     for precision in [p.strip() for p in args.precisions.split(",") if p.strip()]:
         for max_tokens in [int(m) for m in args.max_tokens.split(",") if m.strip()]:
-            r = run(args, precision, max_tokens)
-            rows.append(r)
-            mem = f"{r['peak_mem_gib']:.2f}" if r["peak_mem_gib"] is not None else "-"
-            print(f"{precision:<10} {r['max_tokens']:>10} {r['sentences_per_s']:>9.1f} {r['tokens_per_s']:>10,.0f} "
-                  f"{mem:>6} {r['bleu']:>6.2f} {r['length_ratio']:>9.3f}", flush=True)
-            if r["profile"]:
-                print(r["profile"], flush=True)
+            for graphs in [g.strip() for g in args.graphs.split(",") if g.strip()]:
+                r = run(args, precision, max_tokens, graphs)
+                rows.append(r)
+                mem = f"{r['peak_mem_gib']:.2f}" if r["peak_mem_gib"] is not None else "-"
+                print(f"{precision:<10} {r['max_tokens']:>10} {graphs:>6} {r['sentences_per_s']:>9.1f} "
+                      f"{r['tokens_per_s']:>10,.0f} {mem:>6} {r['bleu']:>6.2f} {r['length_ratio']:>9.3f}", flush=True)
+                if r["profile"]:
+                    print(r["profile"], flush=True)
     if args.json:
         for r in rows:
             print(json.dumps(r), flush=True)

@@ -8,7 +8,7 @@
 #       starlette uvicorn httptools uvloop anyio sniffio h11 idna   (the serve extra, for the tests step)
 #   WMT: newstest2014 x10 as train, its first 500 lines as valid, SentencePiece 16k joined -> .gpu/data/wmt-bin
 #   Multi30k: train/val/test_2016_flickr, SentencePiece 8k joined -> .gpu/data/m30k-bin; its German test -> .gpu/data/test.de,
-#   its English test -> .gpu/data/test.en
+#   its English test -> .gpu/data/test.en; newstest2014 as text -> .gpu/data/nt14.en, .gpu/data/nt14.de (step base)
 #   For STEPS=sweep (not in the default): the Multi30k val.en.gz and val.de.gz -> .gpu/data/m30k-raw
 #   (TRIALS=FILE picks the trials, SWEEP_PARALLEL/SWEEP_THREADS/SWEEP_SECONDS how they run; .gpu/before only for
 #   the train and generate steps)
@@ -18,7 +18,7 @@ set -u
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 R=$(pwd); G=$R/.gpu
-STEPS=${STEPS:-train generate serve valid compile tests}
+STEPS=${STEPS:-train generate base serve valid compile tests}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site $G/whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site
 # the checkout (after) and the tree before, each with cli/ placed as attnmt/cli (no install)
@@ -28,7 +28,7 @@ if [ -d $G/before ]; then cp -r $G/before /tmp/before && cp -r /tmp/before/cli /
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__)"
 T0=$(date +%s); t() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
-W=$G/data/wmt-bin; M=$G/data/m30k-bin
+W=$G/data/wmt-bin; M=$G/data/m30k-bin; export M
 tg() { local tree=$1 limit=$2; shift 2; (cd /tmp/$tree && PYTHONPATH=/tmp/site:/tmp/$tree timeout $limit python3 benchmarks/train_gpu.py "$@" 2>&1); }
 gg() { local tree=$1 limit=$2; shift 2; (cd /tmp/$tree && PYTHONPATH=/tmp/site:/tmp/$tree timeout $limit python3 benchmarks/generate_gpu.py "$@" 2>&1); }
 A="python3 -m attnmt.cli"
@@ -43,21 +43,48 @@ if has generate; then
   (cd /tmp/after && PYTHONPATH=/tmp/site:/tmp/after timeout 170 $A train $M --arch transformer_small --precision auto --max-tokens 4096 \
     --lr 2e-3 --warmup-updates 500 --max-update 2500 --save-dir /tmp/cks --disable-validation --no-epoch-checkpoints \
     --progress simple > $OUT/small.log 2>&1); tail -1 $OUT/small.log
-  echo "== generate: before"; gg before 100 --path /tmp/cks/checkpoint_last.pt --data-bin $M --gen-subset test --precisions fp32,bf16 --max-tokens 16000 --repeats 2 --json | tee $OUT/generate_before.txt | grep -v '^{'
-  echo "== generate: after"; gg after 150 --path /tmp/cks/checkpoint_last.pt --data-bin $M --gen-subset test --precisions fp32,bf16 --max-tokens 16000,0 --repeats 2 --profile --hypotheses --json > $OUT/generate_after.txt; grep -v '^{' $OUT/generate_after.txt
-  python3 - $OUT/generate_after.txt <<'EOF'
+  if [ -d /tmp/before ]; then
+    echo "== generate: before"; gg before 100 --path /tmp/cks/checkpoint_last.pt --data-bin $M --gen-subset test --precisions fp32,bf16 --max-tokens 16000 --repeats 2 --json | tee $OUT/generate_before.txt | grep -v '^{'
+  fi
+  echo "== generate: beam steps as CUDA graphs (on) and launched one by one (off)"
+  gg after 240 --path /tmp/cks/checkpoint_last.pt --data-bin $M --gen-subset test --precisions fp32,bf16 --max-tokens 16000,0 --graphs off,on --repeats 3 --profile --hypotheses --json > $OUT/generate_after.txt; grep -v '^{' $OUT/generate_after.txt
+  python3 - $OUT/generate_after.txt <<'EOF2'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
-fp32 = [r for r in rows if r["precision"] == "fp32"]
-if len(fp32) >= 2:
-    a, b = fp32[0]["hypotheses"], fp32[-1]["hypotheses"]
-    print(f"fp32 hypotheses identical at max tokens {fp32[0]['max_tokens']} and {fp32[-1]['max_tokens']}: "
-          f"{sum(x == y for x, y in zip(a, b))}/{len(a)}")
-EOF
-  (cd /tmp/after && time PYTHONPATH=/tmp/site:/tmp/after $A generate $M --path /tmp/cks/checkpoint_last.pt --gen-subset test > /tmp/h.de 2> /tmp/g.log) 2>&1 | grep real
-  tail -1 /tmp/g.log | cut -c1-200
-  (cd /tmp/after && PYTHONPATH=/tmp/site:/tmp/after $A score --ref $G/data/test.de --sys /tmp/h.de | tail -1 | cut -c1-100)
+for p in ("fp32", "bf16"):
+    for m in sorted({r["max_tokens"] for r in rows}):
+        pair = {r.get("graphs", "on"): r for r in rows if r["precision"] == p and r["max_tokens"] == m}
+        if len(pair) == 2:
+            a, b = pair["off"]["hypotheses"], pair["on"]["hypotheses"]
+            print(f"{p} at {m} tokens: graphs on vs off: {sum(x == y for x, y in zip(a, b))}/{len(a)} identical, "
+                  f"BLEU {pair['on']['bleu']} vs {pair['off']['bleu']}, "
+                  f"{pair['on']['tokens_per_s'] / pair['off']['tokens_per_s']:.2f}x target tok/s")
+EOF2
+  for g in on off; do  # the command a user runs, cold: wall time, time to the first line out, BLEU
+    python3 - $g "$G/data/test.de" <<'EOF2'
+import os, subprocess, sys, time
+env = dict(os.environ)
+if sys.argv[1] == "off":
+    env["ATTNMT_CUDA_GRAPHS"] = "0"
+t = time.perf_counter()
+p = subprocess.Popen([sys.executable, "-m", "attnmt.cli", "generate", os.environ["M"], "--path", "/tmp/cks/checkpoint_last.pt",
+                      "--gen-subset", "test"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd="/tmp/after", env=env)
+first = p.stdout.readline(); t1 = time.perf_counter() - t
+rest = p.stdout.read(); p.wait(); t2 = time.perf_counter() - t
+open(f"/tmp/h_{sys.argv[1]}.de", "w").write(first + rest)
+print(f"attnmt generate, graphs {sys.argv[1]}: first line after {t1:.2f} s, all {t2:.2f} s (exit {p.returncode})")
+EOF2
+    (cd /tmp/after && PYTHONPATH=/tmp/site:/tmp/after $A score --ref $G/data/test.de --sys /tmp/h_$g.de | tail -1 | cut -c1-100)
+  done
   t generate done
+fi
+if has base; then  # transformer (base) on WMT-length sentences: a short training on newstest2014 x10, then translate it
+  (cd /tmp/after && PYTHONPATH=/tmp/site:/tmp/after timeout 150 $A train $W --arch transformer --bf16 --max-tokens 25000 \
+    --lr 1e-3 --warmup-updates 300 --max-update ${BASE_UPDATES:-800} --save-dir /tmp/ckb --disable-validation --no-epoch-checkpoints \
+    --progress simple > $OUT/base.log 2>&1); tail -1 $OUT/base.log
+  echo "== generate: transformer (base), newstest2014 (the sentences it trained on: a speed run)"
+  gg after 200 --path /tmp/ckb/checkpoint_last.pt --src $G/data/nt14.en --ref $G/data/nt14.de --precisions bf16,fp32 --max-tokens 0 --graphs off,on --repeats 2 --json > $OUT/generate_base.txt; grep -v '^{' $OUT/generate_base.txt
+  t base done
 fi
 if has serve; then  # after generate (its model): static calls against continuous batching, in one process
   for n in 32 128; do

@@ -44,6 +44,7 @@ class DecoderCache(ABC):
 
     length: int
     layers: list[LayerCache]
+    runs_decoder = False  # the cache runs whole decoder steps itself (``run``), as a CUDA graph may
 
     @abstractmethod
     def prepare(self, x: Tensor, memory: Tensor, memory_padding: Tensor,

@@ -147,6 +147,9 @@ class DecodingKernels:
     (the CPU's compiled one), used where it ``supports`` the logits; ``log_softmax`` and block maxima otherwise.
     ``block_maxima``: how those maxima are taken (None: ``amax`` over each block; the CPU's reads bf16
     log-probabilities as integers).
+    ``graph_steps``: beam search keeps a cache of fixed shapes for the whole batch
+    (:class:`~attnmt.models.static_cache.StaticCache`), whose steps a CUDA device captures once as a graph and
+    replays: one launch a step instead of a few dozen, the same translations up to rounding.
     ``score_rows``: about how many rows a step projects to the vocabulary and scores at a time (whole sentences):
     few on a CPU, so that the logits stay in cache and their memory is reused; on a GPU all the batch's at once,
     where every block costs its own few dozen kernel launches. Each sentence's numbers are the same either way.
@@ -160,6 +163,7 @@ class DecodingKernels:
     blockwise_topk: bool = True
     low_precision_scores: bool = True
     block_maxima: BlockMaxima | None = None
+    graph_steps: bool = False
 
 
 Projection = Callable[[Tensor, Tensor], Tensor]  # (a, b) -> a @ b^T

@@ -45,6 +45,7 @@ from attnmt.models.kernels import DecodingKernels, TrainingAttention
 from attnmt.models.linear import Linear
 from attnmt.models.packing import PackedRows, RowPacking, SentenceRows, is_prefix
 from attnmt.models.pool import PoolCache
+from attnmt.models.static_cache import StaticCache
 from attnmt.models.tuning import AttentionKernel, DropoutKernel
 from attnmt.registry import register
 
@@ -541,6 +542,9 @@ class TransformerDecoder(RowPacking, nn.Module):
         Teacher forcing with an ``output_mask`` that keeps a prefix of each sentence (the targets' padding on the
         right) runs the layers on the kept positions only (``models/packing.py``) where the backend chose packed
         rows (``RowPacking``): the same outputs, without computing the padding."""
+        if cache is not None and cache.runs_decoder:  # fixed shapes, a step replayed as one CUDA graph
+            x = cache.run(self, prev_output_tokens, enc.out, enc.padding_mask, key_padding_mask)
+            return x if features_only else self.output_projection(x)
         start = 0 if cache is None else cache.length
         x = self.embed(prev_output_tokens, start)  # (B, T, D)
         rows = None
@@ -670,6 +674,8 @@ class TransformerModel(EncoderDecoderModel):
         With ``beam`` > 1, ``decode`` takes ``beam`` consecutive rows per sentence of ``enc`` (hypotheses of one
         sentence), which share that sentence's encoder output and encoder-decoder keys/values.
         """
+        if kernels.graph_steps and beam > 1:
+            return StaticCache(len(self.decoder.layers), beam, self.cfg.max_target_positions)
         return SlotCache(len(self.decoder.layers), beam, kernels.row_bucket, kernels.fused_attention,
                          kernels.step_attention)
 

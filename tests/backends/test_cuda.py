@@ -88,6 +88,50 @@ def test_beam_search_on_the_gpu_gives_the_cpus_translations():
     assert [[h.tokens for h in hs] for hs in results["cuda"]] == [[h.tokens for h in hs] for hs in results["cpu"]]
 
 
+def test_beam_search_steps_replay_as_cuda_graphs_with_the_same_translations():
+    """The CUDA backend's beam search runs its steps as replayed CUDA graphs (captured again when the buffers
+    grow), and finds what the same cache run eagerly and the slot cache find (fp32, TF32 off)."""
+    import dataclasses
+
+    from attnmt.generation.generator import collate
+    from attnmt.generation.search import SearchConfig, Symbols, search
+    from attnmt.models.static_cache import StaticCache
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dev = torch.device("cuda")
+    sym = Symbols(pad=1, eos=2, unk=3, bos=0)
+    cfg = SearchConfig(beam=4, nbest=2, max_len_b=40)
+    g = torch.Generator().manual_seed(4)
+    sources = [torch.randint(4, 50, (n,), generator=g).tolist() + [2] for n in (3, 17, 5, 9, 4, 12, 1)]
+    model = _model(1).eval().to(dev)
+    tokens, lengths = collate(sources, 1, dev)
+    kernels = backend_for(dev, "fp32").decoding_kernels()
+    assert kernels.graph_steps
+    caches = []
+    new_cache = model.new_cache
+
+    def keep(*args, **kw):
+        caches.append(new_cache(*args, **kw))
+        return caches[-1]
+
+    model.new_cache = keep
+    graphed = search(model, tokens, lengths, cfg, sym, kernels=kernels)
+    replays = caches[0].replays
+    assert isinstance(caches[0], StaticCache) and caches[0].positions > 16 and replays > 10
+    eager_init = StaticCache.__init__
+    try:
+        StaticCache.__init__ = lambda self, *a, **kw: eager_init(self, *a, **{**kw, "graphs": False})
+        eager = search(model, tokens, lengths, cfg, sym, kernels=kernels)
+    finally:
+        StaticCache.__init__ = eager_init
+    assert caches[1].replays == 0
+    slot = search(model, tokens, lengths, cfg, sym, kernels=dataclasses.replace(kernels, graph_steps=False))
+    for other in (eager, slot):
+        assert [[h.tokens for h in hs] for hs in graphed] == [[h.tokens for h in hs] for hs in other]
+        for hs, gs in zip(graphed, other):
+            assert [h.score for h in hs] == pytest.approx([h.score for h in gs], abs=1e-4)
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_half_precision_translation_casts_once_and_stays_close(precision):
     from attnmt.generation.generator import collate

@@ -86,9 +86,10 @@ def test_batch_invariance_and_input_order(ckpt, beam):
 
 @pytest.mark.parametrize("beam", [1, 4])
 def test_the_gpus_decoding_kernels_give_the_cpus_translations(ckpt, beam):
-    """One topk over beam x vocabulary in fp32 and the fused attention over the cache (the CUDA backend's choices)
-    give the CPU's hypotheses and scores in fp32; so do the row padding, the default kernels of the search and
-    scoring one sentence's rows at a time instead of the whole batch's."""
+    """One topk over beam x vocabulary in fp32, the fused attention and, for beam search, the cache of fixed
+    shapes whose steps a GPU replays as CUDA graphs (the CUDA backend's choices; run eagerly here) give the CPU's
+    hypotheses and scores in fp32; so do the row padding, the default kernels of the search, scoring one
+    sentence's rows at a time instead of the whole batch's, and the fused attention over the slot cache."""
     import dataclasses
 
     from attnmt.backends.base import Backend, DecodingKernels
@@ -98,19 +99,53 @@ def test_the_gpus_decoding_kernels_give_the_cpus_translations(ckpt, beam):
 
     gpu = CudaBackend(torch.device("cuda")).decoding_kernels()
     assert not gpu.blockwise_topk and not gpu.low_precision_scores and gpu.row_bucket is None and gpu.fused_attention
-    assert gpu.score_rows > 10000  # a whole batch scored at once
+    assert gpu.score_rows > 10000 and gpu.graph_steps  # a whole batch scored at once, each step one graph
     assert Backend(torch.device("meta")).decoding_kernels() == dataclasses.replace(gpu, fused_attention=False,
-                                                                                   score_rows=256)
+                                                                                   score_rows=256, graph_steps=False)
     bundle, gen = _load(ckpt, beam=beam, nbest=beam, lenpen=0.6)
     tokens, lengths = collate(bundle.encode_sources(SENTENCES), bundle.symbols.pad, torch.device("cpu"))
     cpu = gen.backend.decoding_kernels()
     assert cpu.blockwise_topk and cpu.row_bucket is not None
     results = [search(bundle.model, tokens, lengths, gen.search_cfg, bundle.symbols, kernels=k)
-               for k in (cpu, gpu, DecodingKernels(), dataclasses.replace(gpu, score_rows=beam))]  # 1 sentence a block
+               for k in (cpu, gpu, DecodingKernels(), dataclasses.replace(gpu, score_rows=beam),  # 1 sentence a block
+                         dataclasses.replace(gpu, graph_steps=False))]
     for other in results[1:]:
         assert [[x.tokens for x in h] for h in other] == [[x.tokens for x in h] for h in results[0]]
         for h, g in zip(other, results[0]):
             assert [x.score for x in h] == pytest.approx([x.score for x in g], abs=1e-5)
+
+
+def test_the_static_cache_grows_drops_sentences_and_gives_the_slot_caches_translations(ckpt, monkeypatch):
+    """The fixed-shape cache a GPU replays as CUDA graphs, run eagerly: its buffers grow (16 positions, then
+    doubled), sentences leave the search at different steps while their rows stay, and every hypothesis and
+    score is the slot cache's (fp32)."""
+    import dataclasses
+
+    from attnmt.backends.cuda import CudaBackend
+    from attnmt.generation.generator import collate
+    from attnmt.generation.search import search
+    from attnmt.models.static_cache import StaticCache
+
+    bundle, gen = _load(ckpt, beam=4, nbest=2, max_len_b=40)
+    tokens, lengths = collate(bundle.encode_sources(SENTENCES), bundle.symbols.pad, torch.device("cpu"))
+    gpu = CudaBackend(torch.device("cuda")).decoding_kernels()
+    calls = []
+    run = StaticCache.run
+
+    def spy(self, *args):
+        calls.append((self.positions, len(SENTENCES) if self.live is None else self.live.numel()))
+        return run(self, *args)
+
+    monkeypatch.setattr(StaticCache, "run", spy)
+    static = search(bundle.model, tokens, lengths, gen.search_cfg, bundle.symbols, kernels=gpu)
+    slot = search(bundle.model, tokens, lengths, gen.search_cfg, bundle.symbols,
+                  kernels=dataclasses.replace(gpu, graph_steps=False))
+    assert len(calls) > 32 and calls[0][0] == 16 and calls[-1][0] > 32  # grown twice at least
+    assert len({live for _, live in calls}) > 3  # sentences left at several steps
+    assert [[x.tokens for x in h] for h in static] == [[x.tokens for x in h] for h in slot]
+    for h, g in zip(static, slot):
+        assert [x.score for x in h] == pytest.approx([x.score for x in g], abs=1e-5)
+    assert len({len(h[0].tokens) for h in static}) > 3
 
 
 def test_max_tokens_zero_is_the_devices_choice(ckpt):
