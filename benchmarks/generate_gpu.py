@@ -51,9 +51,8 @@ def run(args, precision: str, max_tokens: int, graphs: str = "on") -> dict:
     if args.kernels == "cpu":  # the search as the CPU backend runs it, on this device
         cpu_kernels = DecodingKernels(row_bucket=None, blockwise_topk=True, low_precision_scores=True)
         generator.backend.decoding_kernels = lambda: cpu_kernels
-    if graphs == "off":  # the slot cache's steps, launched kernel by kernel
-        eager = replace(generator.backend.decoding_kernels(), graph_steps=False)
-        generator.backend.decoding_kernels = lambda: eager
+    chosen = replace(generator.backend.decoding_kernels(), graph_steps=graphs == "on")  # on: CUDA graphs
+    generator.backend.decoding_kernels = lambda: chosen
     if args.as_before:  # the device's kernels, scoring 256 rows at a time as before
         before = replace(generator.backend.decoding_kernels(), score_rows=256)
         generator.backend.decoding_kernels = lambda: before
@@ -107,8 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--early-stop", choices=("exact", "beam"), default="exact")
     ap.add_argument("--kernels", choices=("device", "cpu"), default="device",
                     help="device: the backend's decoding kernels; cpu: the CPU backend's, on this device")
-    ap.add_argument("--graphs", default="on", help="on: beam steps replayed as CUDA graphs (the backend's choice); "
-                                                     "off: the slot cache's steps; comma-separated for both")
+    ap.add_argument("--graphs", default="off", help="on: beam steps replayed as CUDA graphs (ATTNMT_CUDA_GRAPHS=1); "
+                                                      "off: the slot cache's steps; comma-separated for both")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=200, help="sentences translated first, untimed")
     ap.add_argument("--limit", type=int, default=0, help="only the first N sentences")

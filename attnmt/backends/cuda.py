@@ -28,11 +28,11 @@ What it decides, once per run:
   scores in fp32, attends over the decoder cache with one fused kernel (``scaled_dot_product_attention``)
   and picks the best extensions with one ``topk`` over ``beam x vocabulary`` (the GPU's own kernel), not with
   the CPU's blockwise scan over bf16 bit patterns (:meth:`decoding_kernels`), all of a batch's rows in one
-  block (each block of a step costs its own few dozen launches). Beam search keeps every decoder shape fixed for
-  a batch (``models/static_cache.py``: all of its rows, buffers of a power-of-two number of positions) and runs
-  each step as one CUDA graph, captured once per buffer size: a step costs one launch instead of a few dozen,
-  which is what bound translation on a GPU (``graph_steps``; ``ATTNMT_CUDA_GRAPHS=0`` launches the steps kernel
-  by kernel instead, with the slot cache). Batches default to 16,000 source tokens per
+  block (each block of a step costs its own few dozen launches). With ``ATTNMT_CUDA_GRAPHS=1`` beam search keeps
+  every decoder shape fixed for a batch (``models/static_cache.py``) and runs each step as one CUDA graph,
+  captured once per buffer size: a step costs one launch instead of a few dozen, which is what bounds translation
+  on a GPU (``graph_steps``; not yet the default: it becomes so once measured against the launches on a GPU).
+  Batches default to 16,000 source tokens per
   20 GiB of GPU memory, up to 64,000 (:meth:`decoding_max_tokens`).
 * **Checkpoint snapshots** go to page-locked host buffers, reused from save to save, so that copying the state
   off the GPU runs at the bus's speed (:meth:`host_staging`).
@@ -116,7 +116,7 @@ class CudaBackend(Backend):
 
     def decoding_kernels(self) -> DecodingKernels:
         return DecodingKernels(row_bucket=None, fused_attention=True, blockwise_topk=False, low_precision_scores=False,
-                               score_rows=SCORE_ROWS, graph_steps=os.environ.get("ATTNMT_CUDA_GRAPHS", "1") != "0")
+                               score_rows=SCORE_ROWS, graph_steps=os.environ.get("ATTNMT_CUDA_GRAPHS") == "1")
 
     def decoding_max_tokens(self) -> int:
         # a beam step is bound by launch overhead until the batch has thousands of rows: larger batches fill the

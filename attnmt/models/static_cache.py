@@ -5,9 +5,10 @@ few positions at a time and drops finished sentences from its rows. Every decodi
 kernels of new shapes, launched one by one from Python, and a GPU waits on those launches most of the time. This
 cache instead fixes every shape for as long as it can:
 
-* **Rows.** Every sentence of the batch keeps its ``beam`` rows until the batch ends. A finished sentence's rows
-  go on computing (on their last tokens) and are not read; the search sees only the live rows, gathered from
-  the step's output.
+* **Rows.** A finished sentence keeps its ``beam`` rows: they go on computing (on their last tokens) and are not
+  read; the search sees only the live rows, gathered from the step's output. The finished sentences' rows are
+  dropped only where the step is captured anew anyway (the buffers grow), or once the live sentences are an
+  eighth of the rows' sentences, so that a long tail does not run on the whole batch's rows.
 * **Positions.** The self-attention buffers hold ``positions`` steps (16 at first, doubled when a step needs
   more); the step's position is a one-element tensor on the device, so the same kernels serve every step.
 * **Layout.** As the slot cache's: the keys/values of position ``s`` computed by row ``j`` of a sentence sit in
@@ -32,6 +33,7 @@ from torch import Tensor, nn
 from attnmt.models.interface import DecoderCache, LayerCache
 
 FIRST_POSITIONS = 16  # positions the self-attention buffers hold at first (doubled when a step needs more)
+COMPACT_FRACTION = 0.125  # drop the finished sentences' rows once the live ones are at most this fraction
 _graph_failure_said = False
 
 
@@ -69,6 +71,13 @@ class StaticLayerCache(LayerCache):
     def cross_attention(self, q: Tensor, project_kv: Callable[[Tensor], tuple[Tensor, Tensor]],
                         memory: Tensor) -> Tensor:
         return self.owner.attend(q, self.cross_k, self.cross_v, self.owner.memory_mask)
+
+    def select(self, sentences: Tensor) -> None:
+        """Keep the buffers of ``sentences`` only."""
+        for name in ("k", "v", "cross_k", "cross_v"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.index_select(0, sentences))
 
     def grow(self, positions: int) -> None:
         """Buffers of ``positions`` positions holding the current ones (slot numbers do not change)."""
@@ -153,6 +162,9 @@ class StaticCache(DecoderCache):
         first = self.length == 0
         if first:
             self._setup(decoder, tokens, memory, memory_padding, mask_of)
+        if self.live is not None and (self.length >= self.positions
+                                      or self.live.numel() <= COMPACT_FRACTION * self.sentences):
+            self._compact()  # at a new capture anyway, or once few sentences are left
         if self.length >= self.positions:
             self._grow(min(2 * self.positions, max(self.max_positions, self.length + 1)))
         if first:
@@ -188,6 +200,21 @@ class StaticCache(DecoderCache):
         for layer, lc in zip(decoder.layers, self.layers):
             lc.cross_k, lc.cross_v = layer.cross_attn.project_kv(memory)
         self.graphs = self.graphs and dev.type == "cuda"
+
+    def _compact(self) -> None:
+        """Keep only the live sentences' rows (the next step captures the new sizes)."""
+        keep, rows = self.live, self.live_rows
+        for lc in self.layers:
+            lc.select(keep)
+        if self.memory_mask is not None:
+            self.memory_mask = self.memory_mask.index_select(0, keep)
+        self.ancestors = self.ancestors.index_select(0, rows)
+        self.tokens = self.tokens.index_select(0, rows)
+        self.own = self.own[: rows.numel()]  # 0..beam-1 repeated: the same for any number of sentences
+        self.features = None
+        self.sentences = keep.numel()
+        self.live = self.live_rows = None
+        self._graph = None
 
     def _grow(self, positions: int) -> None:
         for lc in self.layers:

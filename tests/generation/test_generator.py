@@ -99,16 +99,16 @@ def test_the_gpus_decoding_kernels_give_the_cpus_translations(ckpt, beam):
 
     gpu = CudaBackend(torch.device("cuda")).decoding_kernels()
     assert not gpu.blockwise_topk and not gpu.low_precision_scores and gpu.row_bucket is None and gpu.fused_attention
-    assert gpu.score_rows > 10000 and gpu.graph_steps  # a whole batch scored at once, each step one graph
+    assert gpu.score_rows > 10000  # a whole batch scored at once
     assert Backend(torch.device("meta")).decoding_kernels() == dataclasses.replace(gpu, fused_attention=False,
-                                                                                   score_rows=256, graph_steps=False)
+                                                                                   score_rows=256)
     bundle, gen = _load(ckpt, beam=beam, nbest=beam, lenpen=0.6)
     tokens, lengths = collate(bundle.encode_sources(SENTENCES), bundle.symbols.pad, torch.device("cpu"))
     cpu = gen.backend.decoding_kernels()
     assert cpu.blockwise_topk and cpu.row_bucket is not None
     results = [search(bundle.model, tokens, lengths, gen.search_cfg, bundle.symbols, kernels=k)
                for k in (cpu, gpu, DecodingKernels(), dataclasses.replace(gpu, score_rows=beam),  # 1 sentence a block
-                         dataclasses.replace(gpu, graph_steps=False))]
+                         dataclasses.replace(gpu, graph_steps=True))]
     for other in results[1:]:
         assert [[x.tokens for x in h] for h in other] == [[x.tokens for x in h] for h in results[0]]
         for h, g in zip(other, results[0]):
@@ -116,9 +116,9 @@ def test_the_gpus_decoding_kernels_give_the_cpus_translations(ckpt, beam):
 
 
 def test_the_static_cache_grows_drops_sentences_and_gives_the_slot_caches_translations(ckpt, monkeypatch):
-    """The fixed-shape cache a GPU replays as CUDA graphs, run eagerly: its buffers grow (16 positions, then
-    doubled), sentences leave the search at different steps while their rows stay, and every hypothesis and
-    score is the slot cache's (fp32)."""
+    """The fixed-shape cache a GPU replays as CUDA graphs (``ATTNMT_CUDA_GRAPHS=1``), run eagerly: its buffers
+    grow (16 positions, then doubled), sentences leave the search at different steps, their rows are dropped when
+    the buffers grow, and every hypothesis and score is the slot cache's (fp32)."""
     import dataclasses
 
     from attnmt.backends.cuda import CudaBackend
@@ -128,12 +128,16 @@ def test_the_static_cache_grows_drops_sentences_and_gives_the_slot_caches_transl
 
     bundle, gen = _load(ckpt, beam=4, nbest=2, max_len_b=40)
     tokens, lengths = collate(bundle.encode_sources(SENTENCES), bundle.symbols.pad, torch.device("cpu"))
+    assert not CudaBackend(torch.device("cuda")).decoding_kernels().graph_steps  # not yet the default
+    monkeypatch.setenv("ATTNMT_CUDA_GRAPHS", "1")
     gpu = CudaBackend(torch.device("cuda")).decoding_kernels()
+    assert gpu.graph_steps
     calls = []
     run = StaticCache.run
 
     def spy(self, *args):
-        calls.append((self.positions, len(SENTENCES) if self.live is None else self.live.numel()))
+        live = self.sentences if self.live is None else self.live.numel()
+        calls.append((self.positions, len(SENTENCES) if self.length == 0 else live, self.sentences))
         return run(self, *args)
 
     monkeypatch.setattr(StaticCache, "run", spy)
@@ -141,7 +145,8 @@ def test_the_static_cache_grows_drops_sentences_and_gives_the_slot_caches_transl
     slot = search(bundle.model, tokens, lengths, gen.search_cfg, bundle.symbols,
                   kernels=dataclasses.replace(gpu, graph_steps=False))
     assert len(calls) > 32 and calls[0][0] == 16 and calls[-1][0] > 32  # grown twice at least
-    assert len({live for _, live in calls}) > 3  # sentences left at several steps
+    assert len({live for _, live, _ in calls}) > 3  # sentences left at several steps
+    assert calls[1][2] == len(SENTENCES) and calls[-1][2] < len(SENTENCES)  # finished sentences' rows dropped
     assert [[x.tokens for x in h] for h in static] == [[x.tokens for x in h] for h in slot]
     for h, g in zip(static, slot):
         assert [x.score for x in h] == pytest.approx([x.score for x in g], abs=1e-5)
