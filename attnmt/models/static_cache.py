@@ -124,6 +124,7 @@ class StaticCache(DecoderCache):
         self.features: Tensor | None = None  # (R, D) the step's output
         self._graph = None
         self._pool = None
+        self._stream = None  # the side stream of the warm-up runs and the captures
         self.replays = 0  # steps run by replaying a captured graph
 
     # -------------------------------------------------------------------------------- the interface
@@ -230,8 +231,10 @@ class StaticCache(DecoderCache):
         if not self.graphs:
             self._step(decoder, memory)
             return
-        stream = torch.cuda.Stream(device=memory.device)
-        stream.wait_stream(torch.cuda.current_stream(memory.device))
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=memory.device)
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(memory.device))  # after every step queued before
         with torch.cuda.stream(stream):  # allocations and library handles before the capture, as CUDA graphs need
             self._step(decoder, memory)
         torch.cuda.current_stream(memory.device).wait_stream(stream)
