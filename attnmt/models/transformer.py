@@ -68,6 +68,9 @@ class TransformerConfig:
         "help": "residual dropout P_drop: on embeddings + positions and on every sub-layer output"})
     attention_dropout: float = field(default=0.0, metadata={"help": "dropout on attention weights"})
     activation_dropout: float = field(default=0.0, metadata={"help": "dropout after the feed-forward ReLU"})
+    source_word_dropout: float = field(default=0.0, metadata={
+        "help": "in training, zero a source token's embedding with this probability (whole tokens, kept ones "
+                "scaled by 1/(1-p); Marian's --dropout-src); not in the paper"})
     encoder_normalize_before: bool = field(default=False, metadata={
         "help": "pre-norm encoder: LayerNorm before each sub-layer and after the stack (the paper is post-norm)"})
     decoder_normalize_before: bool = field(default=False, metadata={
@@ -100,7 +103,7 @@ class TransformerConfig:
             if not self.learned_pos and dim % 2:
                 raise ValueError(f"{opt}-embed-dim {dim} is odd; sinusoidal positions need an even width "
                                  f"(use {dim + 1} or --learned-pos)")
-        for name in ("dropout", "attention_dropout", "activation_dropout"):
+        for name in ("dropout", "attention_dropout", "activation_dropout", "source_word_dropout"):
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:
                 raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1), got {p}")
@@ -185,11 +188,15 @@ class InputEmbedding(nn.Module):
     """Token embedding x sqrt(d_model) (3.4) + positional encoding (3.5), then dropout (5.4).
 
     ``tokens`` is shared between stacks and with the output projection when embeddings are shared.
+    ``word_dropout`` (the encoder's ``--source-word-dropout``) zeroes whole token vectors in training, before
+    the positions are added, and scales the kept ones by 1/(1-p).
     """
 
-    def __init__(self, tokens: nn.Embedding, positions: nn.Module, scale: bool, dropout: float, pad_idx: int):
+    def __init__(self, tokens: nn.Embedding, positions: nn.Module, scale: bool, dropout: float, pad_idx: int,
+                 word_dropout: float = 0.0):
         super().__init__()
         self.tokens = tokens
+        self.word_dropout = word_dropout
         self.positions = positions
         self.scale = math.sqrt(tokens.embedding_dim) if scale else 1.0
         self.dropout = Dropout(dropout)
@@ -199,7 +206,11 @@ class InputEmbedding(nn.Module):
         """``start``: the position of the first token, or (B, 1), each row's (continuous batching)."""
         pos = positions_of(tokens, self.pad_idx, start)  # (B, T)
         longest = int(start.max()) if isinstance(start, Tensor) and start.numel() else int(start)
-        x = self.scale * self.tokens(tokens) + self.positions(pos, longest + tokens.size(1))  # (B, T, D)
+        x = self.scale * self.tokens(tokens)  # (B, T, D)
+        if self.training and self.word_dropout > 0.0:
+            keep = torch.rand(tokens.shape, device=tokens.device) >= self.word_dropout  # (B, T)
+            x = x * (keep.unsqueeze(-1).to(x.dtype) / (1.0 - self.word_dropout))
+        x = x + self.positions(pos, longest + tokens.size(1))  # (B, T, D)
         if torch.is_autocast_enabled(x.device.type):
             # Under autocast the whole residual stream stays in the low-precision dtype (as in fairseq --bf16):
             # every matmul runs in it anyway, LayerNorm on bf16 input computes its statistics in fp32 and
@@ -609,7 +620,7 @@ class TransformerModel(EncoderDecoderModel):
         scale = not cfg.no_scale_embedding
         self.encoder = TransformerEncoder(cfg, InputEmbedding(
             src_tokens, positions(cfg.encoder_embed_dim, cfg.max_source_positions, "--max-source-positions"),
-            scale, cfg.dropout, pad_idx))
+            scale, cfg.dropout, pad_idx, cfg.source_word_dropout))
         self.decoder = TransformerDecoder(cfg, InputEmbedding(
             tgt_tokens, positions(cfg.decoder_embed_dim, cfg.max_target_positions, "--max-target-positions"),
             scale, cfg.dropout, pad_idx), output_projection)

@@ -328,6 +328,30 @@ def test_dropout_is_active_in_training_only():
         assert (ev - no_dropout(src, src_lengths, prev)).abs().max().item() < 1e-6
 
 
+def test_source_word_dropout_zeroes_whole_source_tokens_in_training_only():
+    model = tiny_model(dropout=0.0, source_word_dropout=0.25)
+    embed = model.encoder.embed
+    torch.manual_seed(3)
+    src = torch.randint(3, VOCAB, (64, 50))
+    positions = embed.positions(torch.arange(50).expand(64, 50), 50)  # (B, S, D)
+    tokens = embed.scale * embed.tokens(src)
+    with torch.no_grad():
+        assert torch.allclose(embed(src), tokens + positions, atol=1e-6)  # eval: no word dropout
+        embed.train()
+        out = embed(src)
+    dropped = torch.isclose(out, positions, atol=1e-6).all(-1)  # (B, S): the token's vector was zeroed
+    kept = torch.isclose(out, tokens / 0.75 + positions, atol=1e-5).all(-1)
+    assert bool((dropped ^ kept).all())  # every token is either dropped whole or kept whole, scaled by 1/(1-p)
+    assert abs(dropped.float().mean().item() - 0.25) < 0.03
+    # the target side is untouched, and the option is checked like the other dropouts
+    target = model.decoder.embed
+    with torch.no_grad():
+        target.train()
+        assert torch.allclose(target(src), target.scale * target.tokens(src) + positions, atol=1e-6)
+    with pytest.raises(UserError, match="--source-word-dropout must be in"):
+        tiny_config(source_word_dropout=1.0)
+
+
 @pytest.mark.parametrize("normalize_before", [False, True])
 def test_a_few_training_steps_fit_a_tiny_batch(normalize_before):
     model = tiny_model(dropout=0.0, encoder_normalize_before=normalize_before,
