@@ -44,7 +44,7 @@
 #   ARCH              named architecture                                  [the probes' choice]
 #   MINI_SPEEDUP      train transformer_mini when it is at least this many times as fast as transformer_small [2.2]
 #   MINI_MIN_UPDATES  ... and when the budget buys it at least this many updates                            [8000]
-#   MAX_TIME_MINUTES  training time budget                                [55]
+#   MAX_TIME_MINUTES  training time budget                                [60]
 #   MAX_UPDATE        stop after this many updates as well (0: no limit)  [0]
 #   THREADS           CPU threads                                         [number of cores]
 #   AVG               how many last epoch checkpoints to average; several values ("5 10"): the one with the
@@ -67,7 +67,7 @@ TGT=${TGT:-de}
 DATA_DIR=${DATA_DIR:-${ATTNMT_DATA_DIR:-}}
 WORK=${WORK:-runs/multi30k_${SRC}_${TGT}}
 PROFILE=${PROFILE:-auto}
-MAX_TIME_MINUTES=${MAX_TIME_MINUTES:-55}
+MAX_TIME_MINUTES=${MAX_TIME_MINUTES:-60}
 MAX_UPDATE=${MAX_UPDATE:-0}
 THREADS=${THREADS:-$(nproc)}
 TRAIN_LINES=${TRAIN_LINES:-0}
@@ -100,7 +100,7 @@ MEMBERS=${MEMBERS:-auto}
 [[ "$MEMBERS" =~ ^(auto|[1-9][0-9]*)$ ]] || fail "MEMBERS=$MEMBERS: use auto or the number of models (1: one)"
 [[ "$MAX_TIME_MINUTES" =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)$ ]] \
   && python -c "import sys; sys.exit(float('$MAX_TIME_MINUTES') <= 0)" \
-  || fail "MAX_TIME_MINUTES=$MAX_TIME_MINUTES: give the training budget in minutes, such as 55"
+  || fail "MAX_TIME_MINUTES=$MAX_TIME_MINUTES: give the training budget in minutes, such as 60"
 [[ "$MAX_UPDATE" =~ ^[0-9]+$ ]] || fail "MAX_UPDATE=$MAX_UPDATE: give a whole number of updates (0: no limit)"
 SCHEDULE=${SCHEDULE:-auto}
 BPE_DROPOUT=${BPE_DROPOUT:-0}
