@@ -490,7 +490,7 @@ def test_a_dead_peer_ends_the_job_with_an_error_naming_it(tmp_path):
         elapsed = time.monotonic() - t0
         status = _exit_status(workers[0])
     finally:
-        proc.kill()  # its workers are gone (or are killed with it when the assertion above failed)
+        proc.kill()  # the launcher; its workers are gone by now, or are killed below when the wait above failed
         for pid in workers.values():
             if not _gone(pid):
                 os.kill(pid, signal.SIGKILL)
