@@ -211,7 +211,8 @@ class Translator:
                                     f"Translator's own; give them when loading")
                 found = Generator(self.bundle.model, self.bundle.symbols, cfg, self.generator.backend,
                                   max_source_positions=self.bundle.max_source_positions(),
-                                  truncate_source=self.gen_cfg.truncate_source)
+                                  truncate_source=self.gen_cfg.truncate_source,
+                                  target_text=self.bundle.target_text)
                 found.stats = self.generator.stats
                 self._generators[key] = found
         return found

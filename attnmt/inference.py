@@ -59,6 +59,10 @@ class InferenceBundle:
         """Target ids -> space-separated pieces (special symbols dropped)."""
         return self.tgt_dict.string(ids)
 
+    def target_text(self, ids) -> str:
+        """The detokenized text of target ids (a hypothesis' tokens)."""
+        return self.detokenize(self.target_pieces(ids))
+
     def detokenize(self, pieces: str) -> str:
         """Pieces -> target text (subwords merged, tokenization undone)."""
         return self.tgt_pipeline.decode(pieces)
@@ -174,7 +178,7 @@ def load_generator(path: str | os.PathLike, search_cfg, gen_cfg):
                         f"({longest} tokens); lower --min-len")
     generator = Generator(bundle.model, bundle.symbols, search_cfg, backend,
                           max_source_positions=bundle.max_source_positions(),
-                          truncate_source=gen_cfg.truncate_source)
+                          truncate_source=gen_cfg.truncate_source, target_text=bundle.target_text)
     if gen_cfg.workers > 1:
         each = max(1, (gen_cfg.threads or torch.get_num_threads()) // gen_cfg.workers)
         generator.start_workers(gen_cfg.workers, each,

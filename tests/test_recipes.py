@@ -43,7 +43,7 @@ def assert_png(path: Path) -> None:
 def test_multi30k_recipe_smoke(tmp_path):
     """The README's main job on a slice; CI runs it again as on a CPU without native bf16 (fp32 throughout)."""
     r = run_recipe("multi30k", tmp_path, "multi30k", TRAIN_LINES="300", MAX_UPDATE="0", MAX_TIME_MINUTES="5",
-               EXTRA_TRAIN_ARGS=TINY + " --max-epoch 2", GEN_ARGS=SHORT, AVG="1 2")
+               EXTRA_TRAIN_ARGS=TINY + " --max-epoch 2", GEN_ARGS=SHORT, AVG="1 2", MBR_SAMPLES="4")
     start = json.loads((tmp_path / "work" / "checkpoints" / "train.jsonl").read_text().splitlines()[0])
     from conftest import NATIVE_BF16
 
@@ -93,10 +93,14 @@ def test_multi30k_recipe_smoke(tmp_path):
     expected_rows = [(t + k, lp) for t in tags for k in ("1", "2", "best2") for lp in ("0.6", "1.0")]
     if members == 2:
         expected_rows += [("ensemble", lp) for lp in ("0.6", "1.0")]
-    assert [(k, lp) for k, lp, _ in rows] == expected_rows
+    # then the choice decoded with minimum Bayes risk, kept where val prefers it
+    beam_best = max(rows[:-1], key=lambda row: float(row[2]))
+    assert [(k, lp) for k, lp, _ in rows] == expected_rows + [(beam_best[0] + " mbr-samples 4", beam_best[1])]
     best = max(rows, key=lambda row: float(row[2]))
-    what = "the ensemble of the 2 models" if best[0] == "ensemble" else f"average {best[0]}"
-    assert f"chosen on val: {what}, lenpen {best[1]}" in r.stderr
+    label, mbr = (beam_best[0], ", --mbr-samples 4") if best is rows[-1] else (best[0], "")
+    what = "the ensemble of the 2 models" if label == "ensemble" else f"average {label}"
+    assert f"chosen on val: {what}, lenpen {best[1]}{mbr} (val BLEU {best[2]})" in r.stderr
+    assert f"5/6 generate (beam 4, lenpen {best[1]}{mbr}) and score" in r.stderr
     val = json.loads((out / "val.bleu.json").read_text())
     assert round(val["score"], 2) == float(best[2])
 
@@ -196,6 +200,7 @@ def test_multi30k_recipe_reverse_direction(tmp_path):
     ({"MAX_UPDATE": "4.5k"}, "MAX_UPDATE=4.5k: give a whole number of updates (0: no limit)"),
     ({"MINI_SPEEDUP": "fast"}, "MINI_SPEEDUP=fast: give a speed ratio, such as 2.2"),
     ({"MINI_MIN_UPDATES": "8k"}, "MINI_MIN_UPDATES=8k: give a whole number of updates"),
+    ({"MBR_SAMPLES": "some"}, "MBR_SAMPLES=some: give a whole number of samples (0: off)"),
 ])
 def test_multi30k_recipe_refuses_unknown_pairs(tmp_path, env, message):
     r = subprocess.run(["bash", str(ROOT / "recipes" / "multi30k" / "run.sh")], cwd=ROOT,

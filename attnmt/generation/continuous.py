@@ -48,6 +48,8 @@ def unsupported(generator) -> str | None:
     cfg = generator.search_cfg
     if not issubclass(get("search", cfg.search).obj, BeamSearch):
         return f"the {cfg.search} search"
+    if cfg.mbr_samples:
+        return "--mbr-samples"
     if cfg.no_repeat_ngram_size:
         return "--no-repeat-ngram-size"
     if cfg.unkpen < 0:

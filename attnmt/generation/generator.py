@@ -13,8 +13,8 @@ import gc
 import heapq
 import math
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
@@ -164,9 +164,13 @@ class Generator:
     """Runs a model's search over id sequences; see the module docstring."""
 
     def __init__(self, model, symbols: Symbols, search_cfg: SearchConfig, backend: Backend | None = None,
-                 max_source_positions: int | None = None, truncate_source: bool = False):
+                 max_source_positions: int | None = None, truncate_source: bool = False,
+                 target_text: Callable[[list[int]], str] | None = None):
         """``backend``: the run's (its device and resolved precision; None: the CPU in fp32); a float32 model under
-        a "bf16" backend runs under autocast."""
+        a "bf16" backend runs under autocast. ``target_text``: a hypothesis' detokenized text, which
+        ``--mbr-samples`` compares (required for it)."""
+        if search_cfg.mbr_samples and target_text is None:
+            raise ValueError("--mbr-samples compares texts: the generator needs target_text")
         self.model = model
         self.symbols = symbols
         self.search_cfg = search_cfg
@@ -174,6 +178,7 @@ class Generator:
         self.device = self.backend.device
         self.max_source_positions = max_source_positions
         self.truncate_source = truncate_source
+        self.target_text = target_text
         self.stats = GenerationStats()
         self.pool = None  # a WorkerPool once start_workers() ran
 
@@ -216,9 +221,17 @@ class Generator:
         """Hypotheses for one batch of sources (each a list of ids with its final EOS), in the given order."""
         tokens, lengths = collate(sources, self.symbols.pad, self.device)
         sample_ids = torch.as_tensor(list(ids), dtype=torch.long, device=self.device)
+        cfg, kernels = self.search_cfg, self.backend.decoding_kernels()
         with torch.inference_mode(), self.autocast(), _gc_paused():
-            return search(self.model, tokens, lengths, self.search_cfg, self.symbols, sample_ids,
-                          kernels=self.backend.decoding_kernels())
+            if not cfg.mbr_samples:
+                return search(self.model, tokens, lengths, cfg, self.symbols, sample_ids, kernels=kernels)
+            from attnmt.generation import mbr
+
+            beams = search(self.model, tokens, lengths, replace(cfg, nbest=cfg.beam, mbr_samples=0), self.symbols,
+                           sample_ids, kernels=kernels)
+            samples = search(self.model, tokens, lengths, mbr.sampling_config(cfg), self.symbols, sample_ids,
+                             kernels=kernels)
+        return [mbr.rerank(h, s, self.target_text, cfg.nbest) for h, s in zip(beams, samples)]
 
     def _search_batches(self, checked: list[list[int]], batches: list[list[int]],
                         first_id: int) -> Iterator[tuple[list[int], list[list[Hypothesis]]]]:

@@ -62,11 +62,12 @@ def _sample_keys(seed: int, sample_ids: Tensor, copy: Tensor) -> Tensor:
     return _mix32(h ^ copy)
 
 
-def _gumbel_noise(keys: Tensor, step: int, vocab: int) -> Tensor:
-    """Gumbel(0, 1) noise (R, V) from counter-based uniforms: a pure function of (key, step, token)."""
+def _gumbel_noise(keys: Tensor, step: int, tokens: Tensor) -> Tensor:
+    """Gumbel(0, 1) noise (R, W) for the token ids ``tokens`` ((1, V) or (R, W)) from counter-based uniforms: a
+    pure function of (key, step, token), so noise drawn for some tokens equals the noise of a full draw there."""
     h = _mix32(keys ^ step)
-    tok = (torch.arange(vocab, device=keys.device, dtype=torch.long) * 0x9E3779B1) & _M32
-    bits = _mix32(h[:, None] ^ tok[None, :]) >> 8  # 24 uniform bits: exact in float32
+    tok = (tokens * 0x9E3779B1) & _M32
+    bits = _mix32(h[:, None] ^ tok) >> 8  # 24 uniform bits: exact in float32
     u = (bits.float() + 0.5) * (2.0 ** -24)
     return -torch.log(-torch.log(u))
 
@@ -84,6 +85,41 @@ def _filter_logits(logits: Tensor, topk: int, topp: float) -> Tensor:
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         logits = logits.masked_fill(drop, NEG_INF)
     return logits
+
+
+# Top-p keeps few tokens of a trained model's distribution: look for them among each row's best this many first.
+_TOPP_WIDTH = 256
+
+
+def _full_draw(logits: Tensor, keys: Tensor, step: int, topp: float) -> Tensor:
+    """Gumbel-max over the whole vocabulary: the top-p filtered logits plus noise for every token."""
+    tokens = torch.arange(logits.size(1), device=logits.device, dtype=torch.long)[None, :]
+    return (_filter_logits(logits, 0, topp) + _gumbel_noise(keys, step, tokens)).argmax(dim=1)
+
+
+def _draw(logits: Tensor, keys: Tensor, step: int, topk: int, topp: float) -> Tensor:
+    """One token per row: argmax of the filtered logits plus Gumbel noise (the Gumbel-max trick).
+
+    A filtered-out token (-inf) never wins, so under top-p a row whose best ``_TOPP_WIDTH`` tokens reach p (a
+    token is dropped once the mass before it reaches p, so every later one is) draws noise for those tokens only:
+    the same choice as a draw over the whole vocabulary, without hashing rows x vocabulary counters every step.
+    The other rows (a flat distribution) draw over the whole vocabulary.
+    """
+    if topk and topk < logits.size(1):
+        logits = _filter_logits(logits, topk, 1.0)
+    if topp >= 1.0:
+        return _full_draw(logits, keys, step, topp)
+    top_p, order = torch.softmax(logits, dim=1).topk(min(_TOPP_WIDTH, logits.size(1)), dim=1)
+    mass = top_p.cumsum(dim=1)
+    narrow = mass[:, -1] >= topp
+    drop = (mass - top_p) >= topp
+    drop[:, 0] = False
+    values = logits.gather(1, order).masked_fill(drop, NEG_INF)
+    choice = order.gather(1, (values + _gumbel_noise(keys, step, order)).argmax(dim=1, keepdim=True))[:, 0]
+    if not bool(narrow.all()):
+        wide = (~narrow).nonzero()[:, 0]
+        choice[wide] = _full_draw(logits[wide], keys[wide], step, topp)
+    return choice
 
 
 @register("search", "sampling", config=SamplingConfig)
@@ -116,8 +152,8 @@ class Sampling(SearchStrategy):
     def candidates(self, model, tokens, step, enc, cache, max_len, scores, sym, kernels):
         logits = model.decode(tokens[:, step:step + 1], enc, cache)[:, -1]
         lprobs = step_log_probs(logits, step, max_len, tokens[:, 1:step + 1], self.cfg, sym)
-        filtered = _filter_logits(lprobs / self.opts.temperature, self.opts.sampling_topk, self.opts.sampling_topp)
-        choice = (filtered + _gumbel_noise(self.keys, step, lprobs.size(1))).argmax(dim=1)
+        choice = _draw(lprobs / self.opts.temperature, self.keys, step, self.opts.sampling_topk,
+                       self.opts.sampling_topp)
         lp = lprobs.gather(1, choice[:, None])[:, 0]
         return (scores + lp)[:, None], lp[:, None], torch.zeros_like(choice)[:, None], choice[:, None]
 

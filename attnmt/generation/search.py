@@ -72,6 +72,9 @@ class SearchConfig:
     no_repeat_ngram_size: int = field(default=0, metadata={"min": 0, "help": "Never repeat an n-gram of this size (0: off)."})
     sampling: bool = field(default=False, metadata={"help": "Sample from the model instead of searching (fairseq's "
                                                             "spelling of --search sampling)."})
+    mbr_samples: int = field(default=0, metadata={"min": 0, "max": 1024, "help":
+        "Minimum Bayes risk decoding: draw this many samples per sentence (top-p 0.9) and output, of the --beam "
+        "hypotheses, the one with the highest mean chrF against them (0: off; beam search only)."})
     options: Any = field(default=None, metadata={"cli": False})
 
     def __post_init__(self):
@@ -92,6 +95,11 @@ class SearchConfig:
             raise ValueError(f"--no-repeat-ngram-size must not be negative, got {self.no_repeat_ngram_size}")
         if not math.isfinite(self.lenpen):
             raise ValueError(f"--lenpen must be a finite number, got {self.lenpen}")
+        if self.mbr_samples < 0:
+            raise ValueError(f"--mbr-samples must not be negative, got {self.mbr_samples}")
+        if self.mbr_samples and self.search != "beam":
+            raise ValueError(f"--mbr-samples reranks beam search's hypotheses, not --search {self.search}'s; drop "
+                             f"one of them")
         if self.lenpen_style not in LENPEN_STYLES:
             raise ValueError(f"--lenpen-style must be one of {', '.join(LENPEN_STYLES)}, got {self.lenpen_style!r}")
 
@@ -101,8 +109,9 @@ class SearchConfig:
 
     def describe(self) -> str:
         """The search in one line, for the run's summary: strategy, beam and the active scoring formula."""
+        mbr = f", the hypothesis of highest mean chrF against {self.mbr_samples} samples" if self.mbr_samples else ""
         return (f"{self.search} {self.beam}, score = {self.length_penalty.formula()}, at most "
-                f"{self.max_len_a:g} * source + {self.max_len_b} tokens")
+                f"{self.max_len_a:g} * source + {self.max_len_b} tokens{mbr}")
 
 
 @dataclass(frozen=True)

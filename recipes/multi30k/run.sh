@@ -51,6 +51,10 @@
 #                     best val BLEU is used for the test sets             [5 10]
 #   AVG_BEST          also average the N checkpoints of the lowest validation loss (0: not)   [5]
 #   LENPEN            length penalty of the beam search; several values: chosen on val as AVG   [the profile's]
+#   MBR_SAMPLES       also decode val with minimum Bayes risk over this many samples (the beam's hypothesis of
+#                     highest mean chrF against them) with the chosen model and length penalty, and use it for
+#                     the test sets where val prefers it (0: beam search only; 32 won val but not test on a slow
+#                     AVX2 CPU's models, docs/experiments.md)   [0]
 #   VOCAB             joint SentencePiece vocabulary size                 [the profile's]
 #   BPE_DROPOUT       BPE-dropout of the training text: each epoch reads the next of 20 segmentations sampled with
 #                     this probability (0: off; 0.1 cost 14 BLEU at ~7,000 updates, docs/experiments.md)  [0]
@@ -73,6 +77,7 @@ THREADS=${THREADS:-$(nproc)}
 TRAIN_LINES=${TRAIN_LINES:-0}
 EXTRA_TRAIN_ARGS=${EXTRA_TRAIN_ARGS:-}
 GEN_ARGS=${GEN_ARGS:-}
+MBR_SAMPLES=${MBR_SAMPLES:-0}
 EVAL_BLEU=${EVAL_BLEU:-0}
 BLEU_ARGS=""; [ "$EVAL_BLEU" -gt 0 ] && BLEU_ARGS="--eval-bleu --eval-bleu-max-sentences $EVAL_BLEU"
 log() { echo "[multi30k $SRC-$TGT $(date +%H:%M:%S)] $*" >&2; }
@@ -124,6 +129,7 @@ LENPEN=${LENPEN:-0.6 1.0}
 AVG=${AVG//,/ }; LENPEN=${LENPEN//,/ }
 for k in $AVG; do [[ "$k" =~ ^[1-9][0-9]*$ ]] || fail "AVG=$AVG: give one or more positive whole numbers"; done
 [[ "$AVG_BEST" =~ ^[0-9]+$ ]] || fail "AVG_BEST=$AVG_BEST: give a whole number (0: off)"
+[[ "$MBR_SAMPLES" =~ ^[0-9]+$ ]] || fail "MBR_SAMPLES=$MBR_SAMPLES: give a whole number of samples (0: off)"
 for lp in $LENPEN; do [[ "$lp" =~ ^-?[0-9]+(\.[0-9]+)?$ ]] || fail "LENPEN=$LENPEN: give one or more numbers"; done
 KEEP=$(printf '%s\n' $AVG | sort -n | tail -1)
 BASE_TRAIN_ARGS="--max-tokens 4096 --label-smoothing 0.1 --weight-decay 0.0001"
@@ -262,23 +268,25 @@ done
 
 log "4/6 average the last {$AVG} epoch checkpoints and the $AVG_BEST of the lowest validation loss; choose the \
 window and the length penalty on val${MEMBERS_TEXT:+, for each model and for the ensemble of their choices}"
-translate() {  # MODEL SUBSET LENPEN OUTFILE
+translate() {  # MODEL SUBSET LENPEN OUTFILE [more generate options]
   # shellcheck disable=SC2086
   attnmt generate "$BIN" --path "$1" --gen-subset "$2" --beam 4 --lenpen "$3" \
-    --precision "$PRECISION" --threads "$THREADS" --quiet $GEN_ARGS > "$4"
+    --precision "$PRECISION" --threads "$THREADS" --quiet "${@:5}" $GEN_ARGS > "$4"
 }
 gzip -cd "$RAW/val.$TGT.gz" > "$OUT/val.ref.$TGT"
 printf 'average\tlenpen\tval_bleu\n' > "$OUT/val_choice.tsv"
 BEST_BLEU=-1
 describe() { if [ "$1" = ensemble ]; then echo "the ensemble of the $MEMBERS models"; else echo "average $1"; fi; }
-try_on_val() {  # LABEL MODEL LENPEN HYP: decode and score val, record the row, keep the best of all rows
-  translate "$2" valid "$3" "$4"
+MBR=""  # the chosen decoding's extra options: none, or --mbr-samples N
+try_on_val() {  # LABEL MODEL LENPEN HYP [MBR]: decode and score val, record the row, keep the best of all rows
+  # shellcheck disable=SC2086
+  translate "$2" valid "$3" "$4" ${5:-}
   TRIED=$(attnmt score --ref "$OUT/val.ref.$TGT" --sys "$4" --json \
     | python -c "import json, sys; print(round(json.load(sys.stdin)['score'], 2))")
-  printf '%s\t%s\t%s\n' "$1" "$3" "$TRIED" >> "$OUT/val_choice.tsv"
-  log "val: $(describe "$1"), lenpen $3 -> BLEU $TRIED"
+  printf '%s\t%s\t%s\n' "$1${5:+ ${5#--}}" "$3" "$TRIED" >> "$OUT/val_choice.tsv"
+  log "val: $(describe "$1"), lenpen $3${5:+, $5} -> BLEU $TRIED"
   if python -c "import sys; sys.exit(0 if $TRIED > $BEST_BLEU else 1)"; then
-    BEST_LABEL=$1; BEST_MODEL=$2; LP=$3; BEST_HYP=$4; BEST_BLEU=$TRIED
+    BEST_LABEL=$1; BEST_MODEL=$2; LP=$3; BEST_HYP=$4; BEST_BLEU=$TRIED; MBR=${5:-}
   fi
 }
 ENSEMBLE=()
@@ -318,11 +326,14 @@ if [ "$MEMBERS" -gt 1 ]; then  # each model's own choice of average, together
     try_on_val ensemble "$(IFS=:; echo "${ENSEMBLE[*]}")" "$lp" "$OUT/val.ensemble.lenpen$lp.hyp.$TGT"
   done
 fi
+if [ "$MBR_SAMPLES" -gt 0 ]; then  # the choice's minimum Bayes risk decoding, kept where val prefers it
+  try_on_val "$BEST_LABEL" "$BEST_MODEL" "$LP" "$OUT/val.mbr$MBR_SAMPLES.hyp.$TGT" "--mbr-samples $MBR_SAMPLES"
+fi
 MODEL=$BEST_MODEL
 [ "$MEMBERS" -eq 1 ] && MODEL=$CKPT/averaged.pt  # the same weights, under the name the docs use
-log "chosen on val: $(describe "$BEST_LABEL"), lenpen $LP (val BLEU $BEST_BLEU) -> $MODEL"
+log "chosen on val: $(describe "$BEST_LABEL"), lenpen $LP${MBR:+, $MBR} (val BLEU $BEST_BLEU) -> $MODEL"
 
-log "5/6 generate (beam 4, lenpen $LP) and score"
+log "5/6 generate (beam 4, lenpen $LP${MBR:+, $MBR}) and score"
 SPLITS=("valid:val")
 for i in "${!TESTS[@]}"; do
   subset=test; [ "$i" -gt 0 ] && subset=test$i
@@ -333,7 +344,8 @@ for split in "${SPLITS[@]}"; do
   if [ "$name" = val ]; then
     cp "$BEST_HYP" "$OUT/val.hyp.$TGT"
   else
-    translate "$MODEL" "$subset" "$LP" "$OUT/$name.hyp.$TGT"
+    # shellcheck disable=SC2086
+    translate "$MODEL" "$subset" "$LP" "$OUT/$name.hyp.$TGT" $MBR
     gzip -cd "$RAW/$name.$TGT.gz" > "$OUT/$name.ref.$TGT"
   fi
   attnmt score --ref "$OUT/$name.ref.$TGT" --sys "$OUT/$name.hyp.$TGT" | tee "$OUT/$name.bleu"
