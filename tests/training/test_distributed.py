@@ -127,20 +127,23 @@ def _workers(launcher_pid: int) -> dict[int, int]:
     return found
 
 
-def _gone(pid: int) -> bool:
+def _stat_fields(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (None: no such process)."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
-        return True
-    return state in "ZX"
+        return None
+
+
+def _gone(pid: int) -> bool:
+    fields = _stat_fields(pid)
+    return fields is None or fields[0] in "ZX"
 
 
 def _exit_status(pid: int) -> int | None:
     """The wait status of a zombie process not yet reaped by its parent (the last field of /proc/PID/stat)."""
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[-1])
-    except (OSError, ValueError, IndexError):
-        return None
+    fields = _stat_fields(pid)
+    return int(fields[-1]) if fields else None
 
 
 # ---------------------------------------------------------------------------------------------------- batches
