@@ -261,6 +261,9 @@ class Generator:
         """
         if max_tokens == 0:
             max_tokens = self.backend.decoding_max_tokens()
+            cfg = self.search_cfg
+            if cfg.mbr_samples > cfg.beam:  # the device's batch holds the samples' rows, not only the beam's
+                max_tokens = max(1, max_tokens * cfg.beam // cfg.mbr_samples)
         checked = [self.check_length(list(map(int, s)), first_id + i, where) for i, s in enumerate(sources)]
         workers = len(self.pool) if self.pool is not None else 1
         batches = make_batches([len(s) for s in checked], max_tokens, batch_size, workers)

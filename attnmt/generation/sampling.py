@@ -102,8 +102,9 @@ def _draw(logits: Tensor, keys: Tensor, step: int, topk: int, topp: float) -> Te
 
     A filtered-out token (-inf) never wins, so under top-p a row whose best ``_TOPP_WIDTH`` tokens reach p (a
     token is dropped once the mass before it reaches p, so every later one is) draws noise for those tokens only:
-    the same choice as a draw over the whole vocabulary, without hashing rows x vocabulary counters every step.
-    The other rows (a flat distribution) draw over the whole vocabulary.
+    the choice of a draw over the whole vocabulary (up to the rounding of the mass at the boundary p), without
+    hashing rows x vocabulary counters every step. The other rows (a flat distribution) draw over the whole
+    vocabulary.
     """
     if topk and topk < logits.size(1):
         logits = _filter_logits(logits, topk, 1.0)

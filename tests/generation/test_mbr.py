@@ -98,6 +98,21 @@ def test_mbr_outputs_the_beam_hypothesis_of_highest_mean_chrf_against_the_sample
     assert "highest mean chrF against 8 samples" in mbr.search_cfg.describe()
 
 
+def test_mbr_batches_hold_as_many_rows_as_beam_searchs(ckpt, monkeypatch):
+    from attnmt.generation import generator as gen_module
+
+    budgets = []
+    real = gen_module.make_batches
+    monkeypatch.setattr(gen_module, "make_batches", lambda lengths, max_tokens, *a: budgets.append(max_tokens)
+                        or real(lengths, max_tokens, *a))
+    for samples in (0, 4, 32):
+        bundle, g = _load(ckpt, beam=4, mbr_samples=samples)
+        list(g.generate(bundle.encode_sources(["Ein Hund."])))
+        list(g.generate(bundle.encode_sources(["Ein Hund."]), max_tokens=100))  # a given budget is kept
+    device = budgets[0]
+    assert budgets == [device, 100, device, 100, device // 8, 100]
+
+
 def test_mbr_options_refuse_what_they_cannot_do(ckpt):
     with pytest.raises(ValueError, match="--mbr-samples reranks beam search's hypotheses, not --search sampling"):
         SearchConfig(sampling=True, mbr_samples=4)
