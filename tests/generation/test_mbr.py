@@ -76,8 +76,16 @@ def _load(ckpt, **search):
     return load_generator(ckpt, SearchConfig(**{"max_len_b": 12, **search}), GenerationConfig(device="cpu"))
 
 
-def test_mbr_outputs_the_beam_hypothesis_of_highest_mean_chrf_against_the_samples(ckpt):
+@pytest.fixture
+def one_thread():
+    """Tiny models run fastest on one thread; the process's setting is restored for the tests after."""
+    n = torch.get_num_threads()
     torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_mbr_outputs_the_beam_hypothesis_of_highest_mean_chrf_against_the_samples(ckpt, one_thread):
     lines = sentence_lines(10, 3)
     bundle, mbr = _load(ckpt, beam=4, nbest=2, mbr_samples=8)
     sources = bundle.encode_sources(lines)
