@@ -31,9 +31,11 @@ from attnmt.generation.search import (
     NEG_INF,
     Finished,
     Hypothesis,
+    empty_translation,
     finalize,
     max_lengths,
     max_target_positions,
+    nothing_to_translate,
     score_extensions,
     score_upper_bound,
 )
@@ -92,11 +94,12 @@ class ContinuousSearch:
         self.tokens = torch.zeros(0, 2, dtype=torch.long, device=dev)  # column t + 1: token t; column 0: start
         self.pos_scores = torch.zeros(0, 2, device=dev)
         self.joining = None  # the encoder output of the sentences added since the last step
+        self.blank: list[tuple[Hashable, list[Hypothesis]]] = []  # nothing to translate: done at the next step
 
     @property
     def size(self) -> int:
         """Sentences in flight."""
-        return len(self.keys)
+        return len(self.keys) + len(self.blank)
 
     # ------------------------------------------------------------------------------------------ join
 
@@ -112,6 +115,12 @@ class ContinuousSearch:
             return
         g = self.generator
         sources = [g.check_length(list(map(int, s)), i, "sources") for i, s in enumerate(sources)]
+        blank = [nothing_to_translate(s, self.sym.eos) for s in sources]
+        self.blank += [(k, empty_translation(self.sym.eos, self.cfg.nbest)) for k, b in zip(keys, blank) if b]
+        keys = [k for k, b in zip(keys, blank) if not b]
+        sources = [s for s, b in zip(sources, blank) if not b]
+        if not sources:
+            return
         t0 = time.perf_counter()
         with torch.inference_mode(), g.autocast():
             src, lengths = collate(sources, self.sym.pad, self.device)
@@ -145,14 +154,15 @@ class ContinuousSearch:
     # ------------------------------------------------------------------------------------------ step
 
     def step(self) -> list[tuple[Hashable, list[Hypothesis]]]:
-        """Decode one token of every sentence in flight; the sentences this finished, with their hypotheses."""
-        if not self.keys:
-            return []
+        """Decode one token of every sentence in flight; the sentences this finished, with their hypotheses (those
+        with nothing to translate at once)."""
+        done, self.blank = self.blank, []
         g = self.generator
-        t0 = time.perf_counter()
-        with torch.inference_mode(), g.autocast():
-            done = self._step()
-        g.stats.seconds += time.perf_counter() - t0
+        if self.keys:
+            t0 = time.perf_counter()
+            with torch.inference_mode(), g.autocast():
+                done += self._step()
+            g.stats.seconds += time.perf_counter() - t0
         g.stats.sentences += len(done)
         g.stats.target_tokens += sum(len(h[0].tokens) for _, h in done if h)
         return done

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import heapq
+import itertools
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -25,7 +26,14 @@ from attnmt.backends.precision import requested_precision
 from attnmt.data.batching import batch_by_size
 from attnmt.data.pairs import pad_sequences
 from attnmt.errors import UserError
-from attnmt.generation.search import Hypothesis, SearchConfig, Symbols, search
+from attnmt.generation.search import (
+    Hypothesis,
+    SearchConfig,
+    Symbols,
+    empty_translation,
+    nothing_to_translate,
+    search,
+)
 
 
 @dataclass
@@ -135,11 +143,11 @@ class GenerationStats:
 
     def summary(self, wall: float | None = None) -> str:
         """One line; rates are per second of search (batching, encoder, decoder); ``wall`` adds the total time."""
-        s = max(self.seconds, 1e-9)
+        s = self.seconds
+        rates = f": {self.sentences / s:.2f} sentences/s, {self.target_tokens / s:.1f} target tokens/s" if s > 0 else ""
         total = f", {wall:.1f}s wall time in all (loading and text processing included)" if wall is not None else ""
-        return (f"translated {self.sentences} sentences ({self.target_tokens} target tokens) in {self.seconds:.1f}s "
-                f"of search: {self.sentences / s:.2f} sentences/s, {self.target_tokens / s:.1f} target tokens/s"
-                f"{total}")
+        return (f"translated {self.sentences} sentences ({self.target_tokens} target tokens) in {s:.1f}s of search"
+                f"{rates}{total}")
 
 
 @contextlib.contextmanager
@@ -258,6 +266,7 @@ class Generator:
 
         ``first_id`` numbers the sources (it seeds sampling per sentence, so a continuing stream keeps counting);
         ``where`` names the input in error messages; ``progress(n)`` is called after each batch of ``n`` sentences.
+        A source with nothing to translate (an empty or blank line) gets the empty translation without a search.
         """
         if max_tokens == 0:
             max_tokens = self.backend.decoding_max_tokens()
@@ -265,17 +274,25 @@ class Generator:
             if cfg.mbr_samples > cfg.beam:  # the device's batch holds the samples' rows, not only the beam's
                 max_tokens = max(1, max_tokens * cfg.beam // cfg.mbr_samples)
         checked = [self.check_length(list(map(int, s)), first_id + i, where) for i, s in enumerate(sources)]
+        eos = self.symbols.eos
+        blank = [nothing_to_translate(s, eos) for s in checked]
+        todo = [i for i, b in enumerate(blank) if not b]
+        pending = {i: empty_translation(eos, self.search_cfg.nbest) for i, b in enumerate(blank) if b}
+        self.stats.sentences += len(pending)
+        if pending and progress is not None:
+            progress(len(pending))
         workers = len(self.pool) if self.pool is not None else 1
-        batches = make_batches([len(s) for s in checked], max_tokens, batch_size, workers)
-        pending: dict[int, list[Hypothesis]] = {}
+        batches = [[todo[j] for j in b] for b in make_batches([len(checked[i]) for i in todo], max_tokens,
+                                                                batch_size, workers)]
         next_out = 0
-        for batch, hyps in self._search_batches(checked, batches, first_id):
+        searched = self._search_batches(checked, batches, first_id)
+        for batch, hyps in itertools.chain([([], [])], searched):  # first: the empty ones that lead
             self.stats.sentences += len(batch)
             self.stats.source_tokens += sum(len(checked[i]) for i in batch)
             self.stats.target_tokens += sum(len(h[0].tokens) for h in hyps if h)
             for i, h in zip(batch, hyps):
                 pending[i] = h
-            if progress is not None:
+            if batch and progress is not None:
                 progress(len(batch))
             while next_out in pending:
                 yield next_out, pending.pop(next_out)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -139,6 +140,18 @@ class Hypothesis:
     @property
     def logprob(self) -> float:
         return float(sum(self.positional_scores))
+
+
+def nothing_to_translate(source: Sequence[int], eos: int) -> bool:
+    """Whether a source holds no token but its final EOS (an empty or blank line): its translation is empty,
+    and no model runs for it."""
+    return len(source) == 1 and int(source[0]) == eos
+
+
+def empty_translation(eos: int, nbest: int) -> list[Hypothesis]:
+    """The hypotheses of a source with nothing to translate: the empty text, of log-probability 0, ``nbest``
+    times, so that every sentence keeps its ``nbest`` output lines."""
+    return [Hypothesis(tokens=[eos], score=0.0, positional_scores=[0.0]) for _ in range(nbest)]
 
 
 # ------------------------------------------------------------------------------------------------ scoring

@@ -133,7 +133,7 @@ class Service:
             if not isinstance(s, str):
                 raise BadRequest(400, f"'{where}' is a {type(s).__name__}; each sentence must be a string")
             s = " ".join(s.split())  # one line: newlines and runs of spaces become single spaces
-            if not s:
+            if not s and single:  # a blank one of several keeps its place and translates to ""
                 raise BadRequest(400, f"'{where}' is empty; give text to translate")
             out.append(s)
         return out, single

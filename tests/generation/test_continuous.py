@@ -14,7 +14,7 @@ from attnmt.backends import backend_for
 from attnmt.generation.beam import BeamSearchConfig
 from attnmt.generation.continuous import ContinuousSearch, unsupported
 from attnmt.generation.generator import Generator, collate
-from attnmt.generation.search import SearchConfig, Symbols, search
+from attnmt.generation.search import SearchConfig, Symbols, empty_translation, search
 from attnmt.models.kernels import DecodingKernels
 from attnmt.models.transformer import TransformerConfig, TransformerModel
 
@@ -111,6 +111,29 @@ def test_the_pool_reuses_the_places_of_finished_sentences(model):
             nxt += 1
     assert done == 30
     assert stream.cache.places <= 8  # never more than twice the sentences in flight
+
+
+def test_blank_sentences_leave_at_the_next_step_without_the_model(model):
+    gen = Generator(model, SYM, SearchConfig(nbest=2))
+    srcs = sources(3, 7)
+    want = gen.search_batch(srcs, range(3))
+    calls = []
+    hook = model.encoder.register_forward_hook(lambda m, args, out: calls.append(args[0].shape[0]))
+    try:
+        stream = ContinuousSearch(gen)
+        stream.add([[SYM.eos], [SYM.eos]], ["a", "b"])
+        assert stream.size == 2 and calls == []
+        assert stream.step() == [("a", empty_translation(SYM.eos, 2)), ("b", empty_translation(SYM.eos, 2))]
+        assert stream.size == 0 and calls == []
+        stream.add([srcs[0], [SYM.eos], srcs[1], srcs[2]], [0, "c", 1, 2])  # blanks among sentences with words
+        assert calls == [3] and stream.size == 4
+        got = {}
+        while stream.size:
+            got.update(stream.step())
+    finally:
+        hook.remove()
+    assert got.pop("c") == empty_translation(SYM.eos, 2)
+    assert [[h.tokens for h in got[i]] for i in range(3)] == [[h.tokens for h in w] for w in want]
 
 
 def test_configurations_it_cannot_take_are_named(model):

@@ -22,7 +22,7 @@ from attnmt.backends import backend_for
 from attnmt.errors import UserError
 from attnmt.generation.beam import beam_search, greedy_search
 from attnmt.generation.generator import GenerationConfig, Generator, make_batches
-from attnmt.generation.search import SearchConfig, length_penalty
+from attnmt.generation.search import SearchConfig, empty_translation, length_penalty
 
 WORDS = SENTENCE_WORDS
 
@@ -72,7 +72,10 @@ def test_beam_one_equals_greedy_on_a_transformer(ckpt):
 def test_batch_invariance_and_input_order(ckpt, beam):
     bundle, gen = _load(ckpt, beam=beam, nbest=beam)
     sources = bundle.encode_sources(SENTENCES)
-    alone = [gen.search_batch([s], [i])[0] for i, s in enumerate(sources)]
+    eos = bundle.symbols.eos
+    assert sources.count([eos]) == 1  # "" has nothing to translate: its translation is empty, without a search
+    alone = [empty_translation(eos, beam) if s == [eos] else gen.search_batch([s], [i])[0]
+             for i, s in enumerate(sources)]
     # small batches of length-sorted sentences: several batches, results handed back in input order
     assert len(make_batches([len(s) for s in sources], 40, None)) > 2
     got = list(gen.generate(sources, max_tokens=40))
@@ -82,6 +85,38 @@ def test_batch_invariance_and_input_order(ckpt, beam):
         for h in (hyps, hyps_all):
             assert [x.tokens for x in h] == [x.tokens for x in alone[i]]
             assert [x.score for x in h] == pytest.approx([x.score for x in alone[i]], abs=1e-5)
+
+
+def test_blank_sources_get_the_empty_translation_and_no_search(ckpt):
+    bundle, gen = _load(ckpt, nbest=2)
+    eos = bundle.symbols.eos
+    lines = ["", "Dog.", "   ", SENTENCES[0], "\t", ""]
+    sources = bundle.encode_sources(lines)
+    blank = [i for i, ln in enumerate(lines) if not ln.strip()]
+    assert [i for i, s in enumerate(sources) if s == [eos]] == blank
+    searched = {1: gen.search_batch([sources[1]], [1])[0], 3: gen.search_batch([sources[3]], [3])[0]}
+    calls = []
+    hook = bundle.model.encoder.register_forward_hook(lambda m, args, out: calls.append(args[0].shape[0]))
+    sizes = []
+    try:
+        got = list(gen.generate(sources, progress=sizes.append))
+        assert calls == [2]  # one search, of the two sentences with words
+        calls.clear()
+        gen.stats = type(gen.stats)()
+        only_blank = list(gen.generate([sources[i] for i in blank]))
+        assert calls == []
+    finally:
+        hook.remove()
+    assert [i for i, _ in got] == list(range(len(lines))) and sum(sizes) == len(lines)
+    for i, hyps in got:
+        if i in blank:
+            assert [(h.tokens, h.score, h.positional_scores) for h in hyps] == [([eos], 0.0, [0.0])] * 2
+            assert bundle.detokenize(bundle.target_pieces(hyps[0].tokens)) == ""
+        else:
+            assert [h.tokens for h in hyps] == [h.tokens for h in searched[i]]
+    assert [h for _, h in only_blank] == [empty_translation(eos, 2)] * len(blank)
+    summary = gen.stats.summary()  # no search ran: no rates over zero seconds
+    assert summary.startswith(f"translated {len(blank)} sentences") and "/s" not in summary
 
 
 @pytest.mark.parametrize("beam", [1, 4])

@@ -42,6 +42,17 @@ def test_translate_gives_the_commands_translations(translator, ckpt):
     assert translator.translate(lines[3]) == translator.translate(lines)[3]
 
 
+def test_blank_lines_translate_to_blank_lines(translator, ckpt):
+    lines = sentence_lines(2, 9)
+    mixed = ["", lines[0], "   ", lines[1], ""]
+    want = ["", translator.translate(lines[0]), "", translator.translate(lines[1]), ""]
+    assert translator.translate(mixed) == want
+    assert cli_translate(ckpt, mixed, "--max-len-b", "12") == want
+    t = translator.translate("  ", details=True)
+    assert (t.text, t.score, t.positional_scores, [h.text for h in t.hypotheses]) == ("", 0.0, [0.0], [""])
+    assert translator.translate("", nbest=3) == ["", "", ""]
+
+
 def test_search_options_per_call_equal_options_at_load(translator, ckpt):
     from attnmt import Translator
 

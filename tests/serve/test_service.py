@@ -47,6 +47,9 @@ def test_libretranslate_requests_get_libretranslates_answers(service, translator
     status, body, _ = service.request("/translate", {"q": lines, "source": "en", "target": "de", "format": "text",
                                                      "api_key": ""})
     assert (status, body) == (200, {"translatedText": expected})
+    # a blank one of several keeps its place, translated to "" (a blank "q" alone is a 400, as LibreTranslate's)
+    status, body, _ = service.request("/translate", {"q": ["", lines[0], " \n "], "source": "en", "target": "de"})
+    assert (status, body) == (200, {"translatedText": ["", expected[0], ""]})
     # source "auto": the model's one source language is reported as detected
     status, body, _ = service.request("/translate", {"q": lines[1], "source": "auto", "target": "de"})
     assert body == {"translatedText": expected[1], "detectedLanguage": {"confidence": 100.0, "language": "en"}}
