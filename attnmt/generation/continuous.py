@@ -158,13 +158,15 @@ class ContinuousSearch:
         with nothing to translate at once)."""
         done, self.blank = self.blank, []
         g = self.generator
+        g.stats.sentences += len(done)
         if self.keys:
             t0 = time.perf_counter()
             with torch.inference_mode(), g.autocast():
-                done += self._step()
+                found = self._step()
             g.stats.seconds += time.perf_counter() - t0
-        g.stats.sentences += len(done)
-        g.stats.target_tokens += sum(len(h[0].tokens) for _, h in done if h)
+            g.stats.sentences += len(found)
+            g.stats.target_tokens += sum(len(h[0].tokens) for _, h in found if h)
+            done += found
         return done
 
     def _step(self) -> list[tuple[Hashable, list[Hypothesis]]]:

@@ -286,7 +286,7 @@ class Generator:
                                                                 batch_size, workers)]
         next_out = 0
         searched = self._search_batches(checked, batches, first_id)
-        for batch, hyps in itertools.chain([([], [])], searched):  # first: the empty ones that lead
+        for batch, hyps in itertools.chain([([], [])], searched):  # a first round releases the leading blanks
             self.stats.sentences += len(batch)
             self.stats.source_tokens += sum(len(checked[i]) for i in batch)
             self.stats.target_tokens += sum(len(h[0].tokens) for h in hyps if h)

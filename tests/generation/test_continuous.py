@@ -125,6 +125,7 @@ def test_blank_sentences_leave_at_the_next_step_without_the_model(model):
         assert stream.size == 2 and calls == []
         assert stream.step() == [("a", empty_translation(SYM.eos, 2)), ("b", empty_translation(SYM.eos, 2))]
         assert stream.size == 0 and calls == []
+        assert (gen.stats.sentences, gen.stats.target_tokens, gen.stats.seconds) == (2, 0, 0.0)
         stream.add([srcs[0], [SYM.eos], srcs[1], srcs[2]], [0, "c", 1, 2])  # blanks among sentences with words
         assert calls == [3] and stream.size == 4
         got = {}
