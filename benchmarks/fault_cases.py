@@ -304,7 +304,7 @@ def temp_cases() -> list[Case]:
 
 
 def lock_cases() -> list[Case]:
-    train = (f"$A train bin {TINY} --max-tokens 2048 --max-update 400 --save-interval-updates 5 --save-dir ckpt "
+    train = (f"$A train bin {TINY} --max-tokens 2048 --max-update 1000 --save-interval-updates 5 --save-dir ckpt "
              f"--progress none --threads 1")
 
     def copy_bin(d: Path) -> None:
@@ -312,7 +312,9 @@ def lock_cases() -> list[Case]:
 
         shutil.copytree(os.environ["_BIN"], d / "bin")
 
-    two = (f"({train} > first.out 2> first.err; echo $? > first.rc) & sleep 12; {train}; rc=$?; wait; "
+    # The second run starts once the first has saved (so holds the lock), whatever the machine's speed.
+    two = (f"({train} > first.out 2> first.err; echo $? > first.rc) & "
+           f"until [ -e ckpt/checkpoint_last.pt ] || [ -e first.rc ]; do sleep 0.2; done; {train}; rc=$?; wait; "
            f"echo first=$(cat first.rc) >&2; tail -2 first.err >&2; exit $rc")
 
     def second_refused(r: Result) -> str | None:
