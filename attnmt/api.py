@@ -238,7 +238,7 @@ class Translator:
 
         b, g = self.bundle, self.generator
         with torch.inference_mode(), g.autocast():
-            weights = attention_rows(b.model, source_ids, [target_ids], b.symbols.pad, b.symbols.eos, g.device)[0]
+            weights = attention_rows(b.model, source_ids, [target_ids], b.symbols.pad, b.symbols.first, g.device)[0]
         return Alignment(source_tokens=[b.src_dict[i] for i in source_ids],
                          target_tokens=[b.tgt_dict[i] for i in target_ids],
                          weights=[[round(float(w), 6) for w in row] for row in weights])

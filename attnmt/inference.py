@@ -39,24 +39,59 @@ class InferenceBundle:
     num_updates: int | None = None
     data: checkpoint.DataSection | None = field(default=None, repr=False)
     remove_bpe: str | None = None  # fairseq's --remove-bpe SYMBOL, for text segmented outside attnmt
+    decoder_start: int | None = None  # the decoder's first token (None: EOS)
+    source_prefix: list[int] = field(default_factory=list)  # ids before every source (its language token)
+    forced_first: int | None = None  # the token forced as the first one generated (the target language's)
 
     @property
     def symbols(self) -> Symbols:
-        return Symbols.from_dictionary(self.tgt_dict)
+        return Symbols.from_dictionary(self.tgt_dict, self.decoder_start, self.forced_first)
+
+    @property
+    def languages(self) -> list[str]:
+        """The language codes a multilingual model translates between (empty for a single pair)."""
+        return sorted((self.data.language_tokens or {}) if self.data is not None else {})
+
+    def set_languages(self, source: str | None, target: str | None) -> None:
+        """Choose a multilingual model's language pair (its source token, its forced first target token)."""
+        tokens = (self.data.language_tokens if self.data is not None else None) or {}
+        if not tokens:
+            for given, theirs, what in ((source, self.source_lang, "source"), (target, self.target_lang, "target")):
+                if given is not None and given != theirs:
+                    raise UserError(f"--{what[:3]}-lang {given}: {self.path} translates {self.source_lang}->"
+                                    f"{self.target_lang} only")
+            return
+        source, target = source or self.source_lang, target or self.target_lang
+        for given, what in ((source, "source"), (target, "target")):
+            if given not in tokens:
+                near = ", ".join(sorted(tokens)[:12]) + (", ..." if len(tokens) > 12 else "")
+                raise UserError(f"--{what[:3]}-lang {given}: not a language of {self.path.name} ({len(tokens)} "
+                                f"languages: {near})")
+        self.source_lang, self.target_lang = source, target
+        self.source_prefix = [self.src_dict.index(tokens[source])]
+        self.forced_first = self.tgt_dict.index(tokens[target])
 
     def max_source_positions(self) -> int:
         return int(self.model.max_positions()[0])
 
     def encode_source(self, line: str) -> list[int]:
         """A raw source line -> ids (final EOS included), segmented as the training data was."""
-        return self.src_dict.encode_line(self.src_pipeline.encode(line))
+        return self._with_prefix(self.src_dict.encode_line(self.src_pipeline.encode(line)))
 
     def encode_sources(self, lines: list[str]) -> list[list[int]]:
         pieces = self.src_pipeline.encode_batch(lines) if lines else []
-        return [self.src_dict.encode_line(p) for p in pieces]
+        return [self._with_prefix(self.src_dict.encode_line(p)) for p in pieces]
+
+    def _with_prefix(self, ids: list[int]) -> list[int]:
+        # a blank line stays blank (its translation is empty): no language token before its EOS alone
+        return self.source_prefix + ids if self.source_prefix and len(ids) > 1 else ids
 
     def target_pieces(self, ids) -> str:
-        """Target ids -> space-separated pieces (special symbols dropped)."""
+        """Target ids -> space-separated pieces (special symbols and the forced language token dropped)."""
+        if self.forced_first is not None:
+            ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+            if ids and ids[0] == self.forced_first:
+                ids = ids[1:]
         return self.tgt_dict.string(ids)
 
     def target_text(self, ids) -> str:
@@ -126,9 +161,17 @@ def load_for_inference(path: str | os.PathLike, device: str | torch.device = "cp
     model = model_from_checkpoint(ckpt, src_dict, tgt_dict, p)
     model.to(device if isinstance(device, torch.device) else resolve_device(device))
     train = ckpt.get("train") or {}
-    return InferenceBundle(model=model, src_dict=src_dict, tgt_dict=tgt_dict, src_pipeline=src_pipe,
-                           tgt_pipeline=tgt_pipe, source_lang=data.source_lang, target_lang=data.target_lang, path=p,
-                           arch=str(ckpt.get("arch", "")), num_updates=train.get("num_updates"), data=data)
+    bundle = InferenceBundle(model=model, src_dict=src_dict, tgt_dict=tgt_dict, src_pipeline=src_pipe,
+                             tgt_pipeline=tgt_pipe, source_lang=data.source_lang, target_lang=data.target_lang,
+                             path=p, arch=str(ckpt.get("arch", "")), num_updates=train.get("num_updates"), data=data)
+    if data.decoder_start:
+        if data.decoder_start not in tgt_dict:
+            raise UserError(f"{p}: the decoder's start symbol {data.decoder_start!r} is not in the target "
+                            f"dictionary; the checkpoint is damaged")
+        bundle.decoder_start = tgt_dict.index(data.decoder_start)
+    if data.language_tokens:
+        bundle.set_languages(data.source_lang, data.target_lang)
+    return bundle
 
 
 def check_data_dir(bundle: InferenceBundle, data_bin: str | os.PathLike) -> None:
@@ -171,6 +214,8 @@ def load_generator(path: str | os.PathLike, search_cfg, gen_cfg):
         precision = resolve_precision(gen_cfg.precision, device, mode="generate")
     backend = backend_for(device, precision)
     bundle = load_for_inference(path, device)
+    if gen_cfg.src_lang or gen_cfg.tgt_lang:
+        bundle.set_languages(gen_cfg.src_lang, gen_cfg.tgt_lang)
     bundle.model = backend.prepare_inference(bundle.model, gen_cfg.quantize)
     longest = bundle.model.max_positions()[1] - 1  # target positions, the end of sentence included
     if search_cfg.min_len > longest:

@@ -104,7 +104,7 @@ def _alignments(bundle, generator, source_ids, hyps, style: str) -> list[str]:
 
     with torch.inference_mode(), generator.autocast():
         rows = attention_rows(bundle.model, list(source_ids), [list(h.tokens) for h in hyps], bundle.symbols.pad,
-                              bundle.symbols.eos, generator.device)
+                              bundle.symbols.first, generator.device)
     return [alignment_line(w, style) for w in rows]
 
 

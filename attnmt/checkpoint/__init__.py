@@ -83,6 +83,11 @@ class DataSection:
     bpe_model: torch.Tensor | None = None  # its model file's bytes (uint8)
     tokenizer: str = "none"
     lowercase: bool = False
+    # an imported model's own conventions (attnmt's are the defaults)
+    tgt_bpe_model: torch.Tensor | None = None  # the target side's subword model, where the sides have their own
+    decoder_start: str = ""  # the symbol the decoder starts from ("": the end of sentence)
+    language_tokens: dict | None = None  # language code -> its token: the source's starts the source, the
+    # target's is forced as the first token generated (M2M-100, NLLB)
 
     # what must agree between checkpoints of one run (averaging) and between a checkpoint and DATA_BIN (resume)
     IDENTITY = ("source_lang", "target_lang", "joint_dictionary", "src_dict_sha256", "tgt_dict_sha256", "bpe",
@@ -102,10 +107,15 @@ class DataSection:
                    tgt_dict=data["tgt_dict"], src_dict_sha256=str(data.get("src_dict_sha256") or ""),
                    tgt_dict_sha256=str(data.get("tgt_dict_sha256") or ""), bpe=str(data.get("bpe") or "none"),
                    bpe_model=data.get("bpe_model"), tokenizer=str(data.get("tokenizer") or "none"),
-                   lowercase=bool(data.get("lowercase", False)))
+                   lowercase=bool(data.get("lowercase", False)), tgt_bpe_model=data.get("tgt_bpe_model"),
+                   decoder_start=str(data.get("decoder_start") or ""),
+                   language_tokens=dict(data["language_tokens"]) if data.get("language_tokens") else None)
 
-    def bpe_model_bytes(self) -> bytes | None:
+    def bpe_model_bytes(self, side: str = "src") -> bytes | None:
+        """The stored subword model of ``side`` ("src"; "tgt": the target's own, else the shared one)."""
         raw = self.bpe_model
+        if side == "tgt" and self.tgt_bpe_model is not None and torch.is_tensor(self.tgt_bpe_model):
+            raw = self.tgt_bpe_model
         if raw is None or not torch.is_tensor(raw) or not raw.numel():
             return None
         return bytes(raw.to(torch.uint8).numpy().tobytes())
@@ -130,16 +140,20 @@ class DataSection:
         from attnmt.registry import get
 
         bpe_cls = get("bpe", self.bpe).obj
-        raw = self.bpe_model_bytes()
-        if raw is not None:
-            bpe = bpe_cls.from_bytes(raw, what=f"{path} (stored subword model)")
-        elif self.bpe != "none":
-            raise UserError(f"{path}: the checkpoint says bpe '{self.bpe}' but holds no subword model; use a "
-                            f"checkpoint written by attnmt train from a preprocessed directory with its model")
-        else:
-            bpe = bpe_cls.load()
+
+        def subword_model(side: str):
+            raw = self.bpe_model_bytes(side)
+            if raw is not None:
+                return bpe_cls.from_bytes(raw, what=f"{path} (stored subword model)")
+            if self.bpe != "none":
+                raise UserError(f"{path}: the checkpoint says bpe '{self.bpe}' but holds no subword model; use a "
+                                f"checkpoint written by attnmt train from a preprocessed directory with its model")
+            return bpe_cls.load()
+
+        src_bpe = subword_model("src")
+        tgt_bpe = subword_model("tgt") if self.tgt_bpe_model is not None else src_bpe
         return tuple(TextPipeline(build_tokenizer(self.tokenizer, lang), bpe, lowercase=self.lowercase)
-                     for lang in (self.source_lang, self.target_lang))
+                     for lang, bpe in ((self.source_lang, src_bpe), (self.target_lang, tgt_bpe)))
 
     def dictionary_differences(self, other: DataSection) -> list[str]:
         """How the dictionaries and languages of ``other`` (now) differ from these (the checkpoint's)."""

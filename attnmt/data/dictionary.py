@@ -4,6 +4,10 @@ The layout is fairseq's, so that dictionaries can be exchanged with it: the spec
 (``<s>``=0, ``<pad>``=1, ``</s>``=2, ``<unk>``=3), then the corpus symbols by decreasing count. The file format
 is fairseq's too: one ``symbol count`` per line, special symbols not written.
 
+An imported model keeps its own vocabulary as it is (``from_vocabulary``: every symbol at its model's id, the
+special symbols wherever that model put them, Marian's ``</s>`` = 0 and ``<pad>`` last, no ``<s>`` at all). Its
+file starts with one ``#attnmt:vocabulary`` line naming the special symbols' ids and then lists every symbol.
+
 ``finalize`` breaks count ties by the symbol itself, so a dictionary depends only on the counts and never on the
 order in which the corpus was read (which is what makes preprocessing with any number of workers give identical
 files). The size is padded to a multiple of ``padding_factor`` with ``madeupwordNNNN`` symbols: embedding and
@@ -21,6 +25,9 @@ from attnmt.errors import UserError
 from attnmt.fileio import atomic_open
 
 
+VOCABULARY_HEADER = "#attnmt:vocabulary"
+
+
 class Dictionary:
     """Symbols, their counts, and the special symbols bos/pad/eos/unk at ids 0..3."""
 
@@ -34,6 +41,31 @@ class Dictionary:
         self.eos_index = self.add_symbol(eos)
         self.unk_index = self.add_symbol(unk)
         self.nspecial = len(self._symbols)
+        self.fixed = False  # a model's own vocabulary (from_vocabulary): ids as that model has them
+
+    @classmethod
+    def from_vocabulary(cls, symbols: list[str], pad: str, eos: str, unk: str, bos: str | None = None,
+                        counts: list[int] | None = None) -> Dictionary:
+        """A model's own vocabulary, every symbol at its id (``symbols[i]`` has id i), the special symbols where
+        the model put them (``bos`` None: the model has none)."""
+        d = cls.__new__(cls)
+        d._symbols, d._counts, d._indices = [], [], {}
+        for i, sym in enumerate(symbols):
+            if sym in d._indices:
+                raise UserError(f"the vocabulary holds {sym!r} twice (ids {d._indices[sym]} and {i}); give the "
+                                f"model's own vocabulary file")
+            d._indices[sym] = i
+            d._symbols.append(sym)
+            d._counts.append(1 if counts is None else int(counts[i]))
+        for what, sym in (("padding", pad), ("end-of-sentence", eos), ("unknown-word", unk)):
+            if sym not in d._indices:
+                raise UserError(f"the vocabulary has no {what} symbol {sym!r}; give the model's own vocabulary file")
+        d.bos_word, d.pad_word, d.eos_word, d.unk_word = bos or "", pad, eos, unk
+        d.bos_index = d._indices.get(bos) if bos else None
+        d.pad_index, d.eos_index, d.unk_index = d._indices[pad], d._indices[eos], d._indices[unk]
+        d.nspecial = 0
+        d.fixed = True
+        return d
 
     # ------------------------------------------------------------------ lookups
     def __len__(self) -> int:
@@ -147,7 +179,11 @@ class Dictionary:
 
     # ------------------------------------------------------------------ persistence
     def _text(self) -> str:
-        return "".join(f"{s} {c}\n" for s, c in zip(self._symbols[self.nspecial:], self._counts[self.nspecial:]))
+        head = ""
+        if self.fixed:
+            bos = "-" if self.bos_index is None else self.bos_index
+            head = f"{VOCABULARY_HEADER} bos={bos} pad={self.pad_index} eos={self.eos_index} unk={self.unk_index}\n"
+        return head + "".join(f"{s} {c}\n" for s, c in zip(self._symbols[self.nspecial:], self._counts[self.nspecial:]))
 
     def save(self, path: str | os.PathLike) -> None:
         """Write ``symbol count`` lines (fairseq format) atomically."""
@@ -168,12 +204,38 @@ class Dictionary:
             raise UserError(f"{path}: dictionary file not found; pass an existing dict.LANG.txt") from None
         with f:
             try:
+                first = f.readline()
+                if first.startswith(VOCABULARY_HEADER):
+                    return cls._load_vocabulary(first, f, path)
+                f.seek(0)
                 for lineno, raw in enumerate(f, 1):
                     d._add_line(raw.rstrip("\n").rstrip("\r"), path, lineno)
             except UnicodeDecodeError as e:
                 raise UserError(f"{path}: dictionary is not valid UTF-8 ({e.reason} at byte {e.start}); "
                                 f"pass a dictionary written by attnmt preprocess or fairseq") from None
         return d
+
+    @classmethod
+    def _load_vocabulary(cls, header: str, f, path) -> Dictionary:
+        """The rest of a ``#attnmt:vocabulary`` file: every symbol, at its id."""
+        try:
+            ids = dict(kv.split("=", 1) for kv in header.split()[1:])
+            special = {k: (None if ids[k] == "-" else int(ids[k])) for k in ("bos", "pad", "eos", "unk")}
+        except (KeyError, ValueError):
+            raise UserError(f"{path}:1: a malformed {VOCABULARY_HEADER} line; it must name bos=, pad=, eos= and "
+                            f"unk= ids") from None
+        symbols, counts = [], []
+        for lineno, raw in enumerate(f, 2):
+            sym, sep, count = raw.rstrip("\n").rstrip("\r").rpartition(" ")
+            if not sep or not count.isdigit():
+                raise UserError(f"{path}:{lineno}: expected 'symbol count', got {raw.rstrip()!r}")
+            symbols.append(sym)
+            counts.append(int(count))
+        for k, i in special.items():
+            if i is not None and not 0 <= i < len(symbols):
+                raise UserError(f"{path}:1: the {k} id {i} is outside the vocabulary's {len(symbols)} symbols")
+        name = {k: (None if i is None else symbols[i]) for k, i in special.items()}
+        return cls.from_vocabulary(symbols, name["pad"], name["eos"], name["unk"], name["bos"], counts)
 
     def _add_line(self, line: str, path, lineno: int) -> None:
         if not line.strip():
@@ -196,11 +258,14 @@ class Dictionary:
 
     def to_state(self) -> dict[str, Any]:
         """Plain lists and strings (what a checkpoint stores; no pickled classes)."""
-        return {
+        state = {
             "specials": [self.bos_word, self.pad_word, self.eos_word, self.unk_word],
             "symbols": list(self._symbols),
             "counts": list(self._counts),
         }
+        if self.fixed:
+            state["layout"] = "vocabulary"
+        return state
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Dictionary:
@@ -216,6 +281,8 @@ class Dictionary:
             raise UserError("dictionary state is malformed (symbols that are not strings or counts that are not "
                             "integers); the checkpoint was not written by attnmt or is damaged")
         bos, pad, eos, unk = specials
+        if state.get("layout") == "vocabulary":
+            return cls.from_vocabulary(list(symbols), pad, eos, unk, bos or None, list(counts))
         d = cls(bos=bos, pad=pad, eos=eos, unk=unk)
         if list(symbols[: d.nspecial]) != [bos, pad, eos, unk] or len(symbols) != len(counts):
             raise UserError("dictionary state is malformed (special symbols or counts do not match); "

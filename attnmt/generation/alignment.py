@@ -19,16 +19,16 @@ from attnmt.models.attention_maps import attention_maps_of
 STYLES = ("hard", "soft")
 
 
-def attention_rows(model, source_ids: list[int], hypotheses: list[list[int]], pad: int, eos: int,
+def attention_rows(model, source_ids: list[int], hypotheses: list[list[int]], pad: int, start: int,
                    device: torch.device) -> list[torch.Tensor]:
     """(T_i, S) last-layer, head-averaged attention of each hypothesis (ids, final ``</s>`` included) of one
-    source (ids, final ``</s>`` included), in one batch."""
+    source (ids, final ``</s>`` included), in one batch; ``start``: the decoder's first token (``Symbols.first``)."""
     from attnmt.generation.generator import collate
 
     if not hypotheses:
         return []
     src, lengths = collate([source_ids] * len(hypotheses), pad, device)
-    prev, _ = collate([[eos] + list(h[:-1]) for h in hypotheses], pad, device)
+    prev, _ = collate([[start] + list(h[:-1]) for h in hypotheses], pad, device)
     weights = attention_maps_of(model)(src, lengths, prev)[:, -1].float().mean(1).cpu()  # (B, T, S)
     return [weights[k, : len(h)] for k, h in enumerate(hypotheses)]
 

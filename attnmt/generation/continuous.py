@@ -138,7 +138,9 @@ class ContinuousSearch:
             if width > self.tokens.size(1):
                 self.tokens = _pad_to(self.tokens, width, self.sym.eos)
                 self.pos_scores = _pad_to(self.pos_scores, width, 0.0)
-            self.tokens = torch.cat([self.tokens, self.tokens.new_full((n * K, self.tokens.size(1)), self.sym.eos)])
+            fresh = self.tokens.new_full((n * K, self.tokens.size(1)), self.sym.eos)
+            fresh[:, 0] = self.sym.first  # the decoder's start token
+            self.tokens = torch.cat([self.tokens, fresh])
             self.pos_scores = torch.cat([self.pos_scores, self.pos_scores.new_zeros(n * K, self.tokens.size(1))])
             scores = torch.full((n, K), NEG_INF, device=dev)
             scores[:, 0] = 0.0  # a sentence's rows start identical: only the first one is alive at first

@@ -17,9 +17,9 @@ def reference_log_probs(generator, sources: list[list[int]], targets: list[list[
     from attnmt.generation.generator import collate
 
     symbols = generator.symbols
-    eos, pad = symbols.eos, symbols.pad
+    start, pad = symbols.first, symbols.pad
     src, src_lengths = collate(sources, pad, generator.device)
-    prev, _ = collate([[eos] + list(t[:-1]) for t in targets], pad, generator.device)
+    prev, _ = collate([[start] + list(t[:-1]) for t in targets], pad, generator.device)
     gold, _ = collate(targets, pad, generator.device)
     with torch.inference_mode(), generator.autocast():
         model = generator.model

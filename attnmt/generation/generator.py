@@ -63,6 +63,11 @@ class GenerationConfig:
                 "2 on 2 cores suits small models (CTranslate2's inter_threads)."})
     truncate_source: bool = field(default=False, metadata={
         "help": "Cut sources longer than the model accepts instead of refusing them."})
+    src_lang: str | None = field(default=None, metadata={
+        "help": "A multilingual model's source language (M2M-100: en, de, ...; NLLB: eng_Latn, ...) [default: the "
+                "one it was imported with]."})
+    tgt_lang: str | None = field(default=None, metadata={
+        "help": "A multilingual model's target language [default: the one it was imported with]."})
 
     def __post_init__(self):
         if self.max_tokens is not None and self.max_tokens < 0:

@@ -117,16 +117,27 @@ class SearchConfig:
 
 @dataclass(frozen=True)
 class Symbols:
-    """The special token ids the search needs."""
+    """The special token ids the search needs.
+
+    ``start``: the token the decoder starts from (None: EOS, as fairseq and attnmt; Marian starts from the
+    padding symbol); ``forced``: a token that must be the first one generated, at log-probability 0 (M2M-100 and
+    NLLB force the target language's token there)."""
 
     eos: int
     pad: int
     unk: int
     bos: int | None = None
+    start: int | None = None
+    forced: int | None = None
 
     @classmethod
-    def from_dictionary(cls, d) -> Symbols:
-        return cls(eos=d.eos(), pad=d.pad(), unk=d.unk(), bos=d.bos())
+    def from_dictionary(cls, d, start: int | None = None, forced: int | None = None) -> Symbols:
+        return cls(eos=d.eos(), pad=d.pad(), unk=d.unk(), bos=d.bos(), start=start, forced=forced)
+
+    @property
+    def first(self) -> int:
+        """The decoder's first input token."""
+        return self.eos if self.start is None else self.start
 
 
 @dataclass
@@ -263,6 +274,13 @@ def step_log_probs(logits: Tensor, step: int | Tensor, max_len: Tensor, generate
         lprobs[:, sym.unk] -= cfg.unkpen
     if cfg.no_repeat_ngram_size:
         _block_ngram_repeats(lprobs, generated, cfg.no_repeat_ngram_size)
+    if sym.forced is not None:  # the first token is the forced one, at log-probability 0
+        first = step == 0 if isinstance(step, Tensor) else torch.tensor(step == 0, device=lprobs.device)
+        if bool(first.any()):
+            rows = first.expand(lprobs.size(0)).nonzero(as_tuple=True)[0]
+            lprobs[rows] = NEG_INF
+            lprobs[rows, sym.forced] = 0.0
+            return lprobs
     eos_lp = lprobs[:, sym.eos].clone()
     if isinstance(step, Tensor):
         lprobs[:, sym.eos].masked_fill_(step < cfg.min_len, NEG_INF)
@@ -426,7 +444,8 @@ def score_extensions(model, feats: Tensor, step: int | Tensor, max_len: Tensor, 
         lo, hi, every = a * beam // per, b * beam // per, beam // per  # the block's rows of the full arrays
         logits = model.output_layer(block)[: b - a]
         st = step if isinstance(step, int) else step[lo:hi:every]
-        if _normalize_in_kernel(logits, st, per, beam, max_len[lo:hi], cfg, kernels):
+        forced_now = sym.forced is not None and bool((st == 0).any() if isinstance(st, Tensor) else st == 0)
+        if not forced_now and _normalize_in_kernel(logits, st, per, beam, max_len[lo:hi], cfg, kernels):
             if bias is None:  # with per-row steps, EOS is barred per row below
                 bias = token_bias(logits.size(1), step if isinstance(step, int) else cfg.min_len, cfg, sym,
                                   logits.device)
@@ -616,7 +635,8 @@ def run_search(strategy: SearchStrategy, model: SearchModel, src_tokens: Tensor,
         max_len = max_len.repeat_interleave(U)
     enc, cache = strategy.start(model, src_tokens, src_lengths, kernels, sample_ids)
     T = int(max_len.max()) + 2
-    tokens = torch.full((A * K, T), sym.eos, dtype=torch.long, device=dev)  # column 0: the decoder's start EOS
+    tokens = torch.full((A * K, T), sym.eos, dtype=torch.long, device=dev)
+    tokens[:, 0] = sym.first  # column 0: the decoder's start token (EOS)
     pos_scores = torch.zeros((A * K, T), dtype=torch.float32, device=dev)
     scores = torch.full((A, K), NEG_INF, device=dev)
     scores[:, 0] = 0.0  # a unit's rows start identical: keep only the first one alive at step 0

@@ -1,10 +1,10 @@
 """attnmt Transformer checkpoints -> CTranslate2 model directories (``attnmt export --to ctranslate2``).
 
 The mapping, layer by layer: fused Q/K/V (self-attention) and fused K/V (encoder-decoder attention) go to
-CTranslate2's fused linear layers unchanged; post-norm (the paper) or pre-norm; ReLU; embeddings scaled by
+CTranslate2's fused linear layers unchanged; post-norm (the paper) or pre-norm; ReLU (or the imported model's GELU or swish); embeddings scaled by
 sqrt(d_model); the positional table is stored explicitly, because attnmt interleaves sin/cos (as the paper) while
 CTranslate2's built-in sinusoids concatenate them; the source gets its EOS appended and decoding starts from EOS,
-as in attnmt. ``<pad>`` is renamed ``<blank>`` (CTranslate2's padding symbol). Needs the optional ``ctranslate2``
+as in attnmt (from the model's own start symbol for an imported one: ``<pad>`` for Marian). ``<pad>`` is renamed ``<blank>`` (CTranslate2's padding symbol). Needs the optional ``ctranslate2``
 package (``pip install 'attnmt[ctranslate2]'``).
 """
 
@@ -52,7 +52,7 @@ def _positions(cfg: dict, state: dict, side: str, dim: int, count: int) -> np.nd
         return _np(state[f"{side}.embed.positions.weight"])
     from attnmt.models.transformer import sinusoid_table
 
-    return _np(sinusoid_table(count, dim))
+    return _np(sinusoid_table(count, dim, cfg.get("sinusoid_style", "paper")))
 
 
 def build_spec(ckpt: dict):
@@ -68,9 +68,11 @@ def build_spec(ckpt: dict):
     if cfg["encoder_attention_heads"] != cfg["decoder_attention_heads"]:
         raise UserError("CTranslate2 needs the same number of attention heads in encoder and decoder")
     pre_norm = bool(cfg["encoder_normalize_before"])
+    activation = {"relu": common_spec.Activation.RELU, "gelu": common_spec.Activation.GELU,
+                  "swish": common_spec.Activation.SWISH}[cfg.get("activation_fn", "relu")]
     spec = transformer_spec.TransformerSpec.from_config(
         (cfg["encoder_layers"], cfg["decoder_layers"]), cfg["encoder_attention_heads"], pre_norm=pre_norm,
-        activation=common_spec.Activation.RELU)
+        activation=activation)
 
     enc, dec = spec.encoder, spec.decoder
     enc.embeddings[0].weight = _np(state["encoder.embed.tokens.weight"])
@@ -110,7 +112,8 @@ def build_spec(ckpt: dict):
 
     spec.register_source_vocabulary(vocab("src"))
     spec.register_target_vocabulary(vocab("tgt"))
-    spec.config.decoder_start_token = "</s>"
+    start = data.get("decoder_start") or "</s>"
+    spec.config.decoder_start_token = "<blank>" if start == "<pad>" else start
     spec.config.add_source_eos = True
     spec.config.layer_norm_epsilon = 1e-5  # torch.nn.LayerNorm's
     return spec

@@ -232,7 +232,8 @@ def convert_to_fairseq(ckpt: dict, pad: int) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
 
     def positions(side: str, dim: int, count: int) -> torch.Tensor:
-        table = state[f"{side}.embed.positions.weight"] if cfg.get("learned_pos") else sinusoid_table(count, dim)
+        table = state[f"{side}.embed.positions.weight"] if cfg.get("learned_pos") else \
+            sinusoid_table(count, dim, cfg.get("sinusoid_style", "paper"))
         return torch.cat([torch.zeros(pad + 1, dim), table.float()[:count]])  # fairseq: position p at row p+pad+1
 
     out["encoder.embed_tokens.weight"] = state["encoder.embed.tokens.weight"].float()

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +78,12 @@ class TransformerConfig:
         "help": "pre-norm decoder: LayerNorm before each sub-layer and after the stack (the paper is post-norm)"})
     learned_pos: bool = field(default=False, metadata={
         "help": "learned positional embeddings instead of sinusoids (paper 3.5 found them equivalent)"})
+    sinusoid_style: Literal["paper", "halves", "fairseq"] = field(default="paper", metadata={
+        "help": "the sinusoids' layout: paper (sin and cos interleaved, position 0 first), halves (the paper's "
+                "frequencies, all sines then all cosines: Marian), fairseq (sines then cosines with fairseq's "
+                "frequencies, positions numbered from 2: fairseq, FSMT, M2M-100, NLLB)"})
+    activation_fn: Literal["relu", "gelu", "swish"] = field(default="relu", metadata={
+        "help": "the feed-forward activation: relu (the paper), gelu (erf form) or swish (SiLU, as in OPUS-MT)"})
     no_scale_embedding: bool = field(default=False, metadata={
         "help": "do not multiply token embeddings by sqrt(d_model)"})
     share_all_embeddings: bool = field(default=False, metadata={
@@ -103,6 +110,11 @@ class TransformerConfig:
             if not self.learned_pos and dim % 2:
                 raise ValueError(f"{opt}-embed-dim {dim} is odd; sinusoidal positions need an even width "
                                  f"(use {dim + 1} or --learned-pos)")
+        if self.sinusoid_style not in SINUSOID_STYLES:
+            raise ValueError(f"--sinusoid-style must be one of {', '.join(SINUSOID_STYLES)}, got "
+                             f"{self.sinusoid_style!r}")
+        if self.activation_fn not in ACTIVATIONS:
+            raise ValueError(f"--activation-fn must be one of {', '.join(ACTIVATIONS)}, got {self.activation_fn!r}")
         for name in ("dropout", "attention_dropout", "activation_dropout", "source_word_dropout"):
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:
@@ -124,15 +136,27 @@ def _divisor_hint(dim: int, heads: int) -> int:
 # ---------------------------------------------------------------------------- 3.5 positional encoding
 
 
-def sinusoid_table(num_positions: int, dim: int) -> Tensor:
+SINUSOID_STYLES = ("paper", "halves", "fairseq")
+
+
+def sinusoid_table(num_positions: int, dim: int, style: str = "paper") -> Tensor:
     """The paper's formula, sin and cos interleaved: PE[pos, 2i] = sin(pos / 10000^(2i/d)), PE[pos, 2i+1] = cos(.).
 
-    (fairseq instead concatenates all sines then all cosines; the two differ by a fixed permutation of the
-    columns and are equally good, but checkpoints are not interchangeable.)
+    Other toolkits lay the same idea out differently; checkpoints are not interchangeable between layouts, so the
+    imported models keep theirs (``--sinusoid-style``): ``halves`` puts all sines before all cosines (Marian);
+    ``fairseq`` does the same with frequencies ``10000^(-i/(d/2 - 1))`` and numbers the first position 2 (its
+    padding index 1, plus 1), as fairseq, FSMT and M2M-100 do. Row ``p`` holds the ``p``-th position of a sentence.
     """
     pos = torch.arange(num_positions, dtype=torch.float64).unsqueeze(1)  # (P, 1)
-    inv_freq = torch.exp(torch.arange(0, dim, 2, dtype=torch.float64) * (-math.log(10000.0) / dim))  # (D/2,)
+    half = torch.arange(0, dim, 2, dtype=torch.float64)  # 2i, (D/2,)
+    if style == "fairseq":
+        pos = pos + 2
+        inv_freq = torch.exp(torch.arange(dim // 2, dtype=torch.float64) * -(math.log(10000.0) / (dim // 2 - 1)))
+    else:
+        inv_freq = torch.exp(half * (-math.log(10000.0) / dim))  # (D/2,)
     angles = pos * inv_freq  # (P, D/2)
+    if style in ("halves", "fairseq"):
+        return torch.cat([torch.sin(angles), torch.cos(angles)], dim=1).float()
     table = torch.empty(num_positions, dim, dtype=torch.float64)
     table[:, 0::2] = torch.sin(angles)
     table[:, 1::2] = torch.cos(angles)
@@ -143,14 +167,14 @@ class SinusoidalPositions(nn.Module):
     """Fixed sinusoids (3.5). The table is a non-persistent buffer (not in checkpoints) that grows on demand, so
     sentences longer than any seen in training still get well-defined positions."""
 
-    def __init__(self, dim: int, initial_size: int = 256):
+    def __init__(self, dim: int, initial_size: int = 256, style: str = "paper"):
         super().__init__()
-        self.dim = dim
-        self.register_buffer("table", sinusoid_table(initial_size, dim), persistent=False)
+        self.dim, self.style = dim, style
+        self.register_buffer("table", sinusoid_table(initial_size, dim, style), persistent=False)
 
     def forward(self, positions: Tensor, max_len: int) -> Tensor:  # positions (B, T) with values < max_len
         if max_len > self.table.size(0):
-            self.table = sinusoid_table(max(max_len, 2 * self.table.size(0)), self.dim).to(self.table)
+            self.table = sinusoid_table(max(max_len, 2 * self.table.size(0)), self.dim, self.style).to(self.table)
         return F.embedding(positions, self.table)  # (B, T, D)
 
 
@@ -176,8 +200,13 @@ def positions_of(tokens: Tensor, pad_idx: int, start: int | Tensor = 0) -> Tenso
 
     For right-padded batches this is ``start + 0..T-1``; counting non-pad tokens makes the positions (hence the
     outputs) independent of the padding even for left-padded input. Pad tokens get a position they never use.
+    A sentence's first token (at ``start`` 0) always counts: a decoder may start from the padding symbol (Marian).
     """
     real = tokens.ne(pad_idx)
+    if isinstance(start, Tensor):
+        real[:, :1] |= start.reshape(-1, 1) == 0
+    elif start == 0:
+        real[:, :1] = True
     return (torch.cumsum(real, dim=1) - 1).clamp_(min=0) + start  # (B, T)
 
 
@@ -409,17 +438,26 @@ def attention_scores(q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool)
 # ------------------------------------------------------------------------ 3.3 position-wise feed-forward
 
 
-class FeedForward(nn.Module):
-    """FFN(x) = max(0, x W1 + b1) W2 + b2, applied to each position separately (3.3)."""
+ACTIVATIONS = {"relu": None, "gelu": F.gelu, "swish": F.silu}  # None: fused into the product
 
-    def __init__(self, embed_dim: int, ffn_dim: int, activation_dropout: float):
+
+class FeedForward(nn.Module):
+    """FFN(x) = max(0, x W1 + b1) W2 + b2, applied to each position separately (3.3).
+
+    ``activation`` replaces the ReLU for imported models (``gelu``; ``swish``, x * sigmoid(x), in OPUS-MT)."""
+
+    def __init__(self, embed_dim: int, ffn_dim: int, activation_dropout: float, activation: str = "relu"):
         super().__init__()
         self.fc1 = linear(embed_dim, ffn_dim)
         self.fc2 = linear(ffn_dim, embed_dim)
         self.activation_dropout = Dropout(activation_dropout)
+        self.activation = ACTIVATIONS[activation]
 
     def forward(self, x: Tensor) -> Tensor:  # (B, T, D)
-        hidden = self.fc1(x, relu=True)  # a backend may fuse the bias and ReLU into the product (models/linear.py)
+        if self.activation is None:
+            hidden = self.fc1(x, relu=True)  # a backend may fuse the bias and ReLU into the product (models/linear.py)
+        else:
+            hidden = self.activation(self.fc1(x))
         return self.fc2(self.activation_dropout(hidden))  # (B, T, D)
 
 
@@ -457,7 +495,7 @@ class EncoderLayer(nn.Module):
         self.normalize_before = cfg.encoder_normalize_before
         self.self_attn = MultiHeadAttention(d, cfg.encoder_attention_heads, cfg.attention_dropout)
         self.self_attn_norm = nn.LayerNorm(d)
-        self.ffn = FeedForward(d, cfg.encoder_ffn_embed_dim, cfg.activation_dropout)
+        self.ffn = FeedForward(d, cfg.encoder_ffn_embed_dim, cfg.activation_dropout, cfg.activation_fn)
         self.ffn_norm = nn.LayerNorm(d)
         self.dropout = Dropout(cfg.dropout)
 
@@ -479,7 +517,7 @@ class DecoderLayer(nn.Module):
         self.cross_attn = MultiHeadAttention(d, cfg.decoder_attention_heads, cfg.attention_dropout,
                                              kv_dim=cfg.encoder_embed_dim)
         self.cross_attn_norm = nn.LayerNorm(d)
-        self.ffn = FeedForward(d, cfg.decoder_ffn_embed_dim, cfg.activation_dropout)
+        self.ffn = FeedForward(d, cfg.decoder_ffn_embed_dim, cfg.activation_dropout, cfg.activation_fn)
         self.ffn_norm = nn.LayerNorm(d)
         self.dropout = Dropout(cfg.dropout)
 
@@ -615,7 +653,8 @@ class TransformerModel(EncoderDecoderModel):
             nn.init.normal_(output_projection.weight, mean=0.0, std=cfg.decoder_embed_dim**-0.5)
 
         def positions(dim: int, max_positions: int, what: str) -> nn.Module:
-            return LearnedPositions(max_positions, dim, what) if cfg.learned_pos else SinusoidalPositions(dim)
+            return (LearnedPositions(max_positions, dim, what) if cfg.learned_pos
+                    else SinusoidalPositions(dim, style=cfg.sinusoid_style))
 
         scale = not cfg.no_scale_embedding
         self.encoder = TransformerEncoder(cfg, InputEmbedding(
