@@ -28,6 +28,7 @@ COMMANDS = {
     "plot": "plot",
     "export": "export",
     "import-fairseq": "import_fairseq",
+    "import-hf": "import_hf",
     "interactive": "interactive",
     "serve": "serve",
 }
