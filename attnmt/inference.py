@@ -42,6 +42,7 @@ class InferenceBundle:
     decoder_start: int | None = None  # the decoder's first token (None: EOS)
     source_prefix: list[int] = field(default_factory=list)  # ids before every source (its language token)
     forced_first: int | None = None  # the token forced as the first one generated (the target language's)
+    _language_ids: set = field(default_factory=set, repr=False)  # a multilingual model's language tokens
 
     @property
     def symbols(self) -> Symbols:
@@ -56,18 +57,19 @@ class InferenceBundle:
         """Choose a multilingual model's language pair (its source token, its forced first target token)."""
         tokens = (self.data.language_tokens if self.data is not None else None) or {}
         if not tokens:
-            for given, theirs, what in ((source, self.source_lang, "source"), (target, self.target_lang, "target")):
+            for given, theirs, what in ((source, self.source_lang, "src"), (target, self.target_lang, "tgt")):
                 if given is not None and given != theirs:
-                    raise UserError(f"--{what[:3]}-lang {given}: {self.path} translates {self.source_lang}->"
+                    raise UserError(f"--{what}-lang {given}: {self.path} translates {self.source_lang}->"
                                     f"{self.target_lang} only")
             return
         source, target = source or self.source_lang, target or self.target_lang
-        for given, what in ((source, "source"), (target, "target")):
+        for given, what in ((source, "src"), (target, "tgt")):
             if given not in tokens:
                 near = ", ".join(sorted(tokens)[:12]) + (", ..." if len(tokens) > 12 else "")
-                raise UserError(f"--{what[:3]}-lang {given}: not a language of {self.path.name} ({len(tokens)} "
+                raise UserError(f"--{what}-lang {given}: not a language of {self.path.name} ({len(tokens)} "
                                 f"languages: {near})")
         self.source_lang, self.target_lang = source, target
+        self._language_ids = {self.tgt_dict.index(t) for t in tokens.values()}
         self.source_prefix = [self.src_dict.index(tokens[source])]
         self.forced_first = self.tgt_dict.index(tokens[target])
 
@@ -88,10 +90,9 @@ class InferenceBundle:
 
     def target_pieces(self, ids) -> str:
         """Target ids -> space-separated pieces (special symbols and the forced language token dropped)."""
-        if self.forced_first is not None:
+        if self.forced_first is not None:  # language tokens are not text (as transformers' skip_special_tokens)
             ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
-            if ids and ids[0] == self.forced_first:
-                ids = ids[1:]
+            ids = [i for i in ids if i not in self._language_ids]
         return self.tgt_dict.string(ids)
 
     def target_text(self, ids) -> str:

@@ -86,3 +86,28 @@ def marian_dir(root: Path, separate: bool = False, activation: str = "swish", tr
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+def m2m100_dir(root: Path, train_steps: int = 60) -> Path:
+    """An M2M-100 directory: 2+2 pre-norm layers, d 32, one SentencePiece model, the 100 language tokens."""
+    from transformers import M2M100Config, M2M100ForConditionalGeneration, M2M100Tokenizer
+
+    root.mkdir(parents=True, exist_ok=True)
+    src_lines = sentence_lines(400, 1)
+    tgt_lines = [target_of(s) for s in src_lines]
+    spm = train_spm(src_lines + tgt_lines, root / "spm", 120)
+    pieces = ["<s>", "<pad>", "</s>", "<unk>"] + spm_pieces(spm)[1:]
+    (root / "vocab.json").write_text(json.dumps({p: i for i, p in enumerate(pieces)}), encoding="utf-8")
+    tok = M2M100Tokenizer(str(root / "vocab.json"), str(spm), src_lang="en", tgt_lang="de")
+    config = M2M100Config(vocab_size=len(pieces) + 100 + 8, d_model=32, encoder_layers=2, decoder_layers=2,
+                          encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                          decoder_ffn_dim=64, max_position_embeddings=128, dropout=0.0, scale_embedding=True,
+                          pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
+    torch.manual_seed(0)
+    model = M2M100ForConditionalGeneration(config)
+    if train_steps:
+        fit(model, tok, src_lines, tgt_lines, train_steps)
+    out = root / "hf"
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

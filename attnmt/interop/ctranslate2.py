@@ -177,8 +177,10 @@ def check(path: str | os.PathLike, output_dir: str | os.PathLike, lines: list[st
     for s in sources:
         ours.append(beam_search(bundle.model, torch.tensor([s]), torch.tensor([len(s)]), cfg, bundle.symbols)[0][0])
     tr = ctranslate2.Translator(str(output_dir), device="cpu", compute_type="float32")
+    # the pieces as the model has them (a forced language token included), scored after it where there is one
     scored = tr.score_batch([bundle.source_pieces(s).split() for s in sources],
-                            [bundle.target_pieces(h.tokens).split() for h in ours])
-    worst = max(float(np.max(np.abs(np.array(r.log_probs) - np.array(h.positional_scores))))
-                for r, h in zip(scored, ours))
+                            [bundle.tgt_dict.string(h.tokens).split() for h in ours])
+    skip = 0 if bundle.forced_first is None else 1
+    worst = max(float(np.max(np.abs(np.array(r.log_probs[skip:]) - np.array(h.positional_scores[skip:])),
+                             initial=0.0)) for r, h in zip(scored, ours))
     return worst
