@@ -56,7 +56,7 @@ def marian_dir(root: Path, separate: bool = False, activation: str = "swish", tr
     src_lines = sentence_lines(400, 1)
     tgt_lines = [target_of(s) for s in src_lines]
     src_spm = train_spm(src_lines + ([] if separate else tgt_lines), root / "src", 120)
-    tgt_spm = train_spm(tgt_lines, root / "tgt", 100) if separate else src_spm
+    tgt_spm = train_spm(tgt_lines, root / "tgt", 120) if separate else src_spm  # one padding id: same size
 
     def vocab(model: Path) -> dict:
         pieces = ["</s>", "<unk>"] + spm_pieces(model)[1:] + ["<pad>"]

@@ -205,8 +205,9 @@ def _marian(d: Path, cfg: dict, state: dict) -> tuple[dict, dict, dict]:
         raise UserError(f"{d / 'config.json'}: pad_token_id {pad_id} / eos_token_id {eos_id} are not the ids of "
                         f"{specials['pad']!r} / {specials['eos']!r} in the vocabulary ({tgt_dict.pad()} / "
                         f"{tgt_dict.eos()}); give the tokenizer files saved with this model")
-    if src_dict.pad() != tgt_dict.pad() and not separate:
-        raise UserError(f"{d}: the source and target padding ids differ")
+    if src_dict.pad() != tgt_dict.pad():
+        raise UserError(f"{d}: the padding symbol has id {src_dict.pad()} in the source vocabulary and "
+                        f"{tgt_dict.pad()} in the target one; attnmt's Transformer needs one padding id")
     bias = state.get("final_logits_bias")
     if bias is not None and bool(bias.float().abs().max() > 0):
         raise UserError(f"{d}: the model has a non-zero final_logits_bias, which attnmt's Transformer does not "

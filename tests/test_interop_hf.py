@@ -1,0 +1,188 @@
+"""Hugging Face models in (``attnmt import-hf``): small MarianMT and M2M-100 models built with ``transformers``
+from a config, trained for a few updates, saved with ``save_pretrained``, imported, and compared output for output
+with ``transformers``' tokenizers and ``generate``.
+
+The searches agree where both are defined alike: no length penalty (``lenpen 0`` / ``length_penalty=0``), no
+minimum length (``--min-len 0``: transformers lets EOS come first) and
+the stop of fairseq and transformers' ``early_stopping=True`` (``--early-stop beam``): a sentence ends once
+``beam`` hypotheses ending in EOS ranked among the ``beam`` best extensions of a step; greedy is beam 1.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import sentence_lines
+
+transformers = pytest.importorskip("transformers")
+
+from hf_models import m2m100_dir, marian_dir  # noqa: E402
+
+from attnmt import checkpoint  # noqa: E402
+from attnmt.errors import UserError  # noqa: E402
+from attnmt.generation.beam import BeamSearchConfig  # noqa: E402
+from attnmt.generation.search import SearchConfig, search  # noqa: E402
+from attnmt.inference import load_for_inference  # noqa: E402
+from attnmt.interop.huggingface import import_model  # noqa: E402
+
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def marian(tmp_path_factory):
+    root = tmp_path_factory.mktemp("marian")
+    hf = marian_dir(root)
+    checkpoint.save(import_model(hf), root / "model.pt")
+    return hf, root / "model.pt"
+
+
+@pytest.fixture(scope="module")
+def marian_separate(tmp_path_factory):
+    root = tmp_path_factory.mktemp("marian_separate")
+    hf = marian_dir(root, separate=True, activation="gelu")
+    checkpoint.save(import_model(hf), root / "model.pt")
+    return hf, root / "model.pt"
+
+
+@pytest.fixture(scope="module")
+def m2m100(tmp_path_factory):
+    root = tmp_path_factory.mktemp("m2m100")
+    hf = m2m100_dir(root)
+    checkpoint.save(import_model(hf, "en", "de"), root / "model.pt")
+    return hf, root / "model.pt"
+
+
+def compare(hf_dir, ckpt, lines, langs=None):
+    """(tokenizer ids identical, {beam: (identical hypotheses, max |log-prob difference|)})."""
+    tok = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(str(hf_dir)).eval()
+    bundle = load_for_inference(ckpt)
+    extra = {}
+    if langs:
+        tok.src_lang = langs[0]
+        bundle.set_languages(*langs)
+        extra = {"forced_bos_token_id": tok.get_lang_id(langs[1])}
+    ours = bundle.encode_sources(lines)
+    theirs = [tok(line)["input_ids"] for line in lines]
+    same_ids = sum(a == b for a, b in zip(ours, theirs))
+    results = {}
+    for beam in (1, 4):
+        cfg = SearchConfig(beam=beam, lenpen=0.0, min_len=0, max_len_a=0, max_len_b=MAX_NEW,
+                           options=BeamSearchConfig(early_stop="beam"))
+        same, worst = 0, 0.0
+        for src, hf_src in zip(ours, theirs):
+            hyp = search(bundle.model, torch.tensor([src]), torch.tensor([len(src)]), cfg, bundle.symbols)[0][0]
+            with torch.no_grad():
+                out = model.generate(torch.tensor([hf_src]), num_beams=beam, do_sample=False, length_penalty=0.0,
+                                     early_stopping=True, max_new_tokens=MAX_NEW + 1, **extra)[0].tolist()
+                prev = torch.tensor([[model.config.decoder_start_token_id] + hyp.tokens[:-1]])
+                logits = model(input_ids=torch.tensor([hf_src]), decoder_input_ids=prev).logits[0]
+                lp = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(hyp.tokens)[:, None])[:, 0]
+            skip = 1 if bundle.forced_first is not None else 0  # the forced token: 0 in both searches
+            worst = max(worst, float((lp[skip:] - torch.tensor(hyp.positional_scores[skip:])).abs().max()))
+            same += out[1:] == hyp.tokens
+        results[beam] = (same, worst)
+    return same_ids, results
+
+
+@pytest.mark.parametrize("which", ["marian", pytest.param("marian_separate", marks=pytest.mark.slow),
+                                   pytest.param("m2m100", marks=pytest.mark.slow)])
+def test_imported_model_translates_as_transformers_does(which, request):
+    hf, ckpt = request.getfixturevalue(which)
+    lines = sentence_lines(40, 3)
+    same_ids, results = compare(hf, ckpt, lines, ("en", "de") if which == "m2m100" else None)
+    assert same_ids == len(lines)
+    for beam, (same, worst) in results.items():
+        assert same == len(lines), f"beam {beam}: {same}/{len(lines)} identical"
+        assert worst < 1e-4
+
+
+@pytest.mark.slow
+def test_tokenizers_give_transformers_ids(marian_separate, m2m100):
+    lines = sentence_lines(300, 11) + ["", "  Two   spaces  ", "Ünïcode – “quotes” …", "x" * 300]
+    for (hf, ckpt), langs in ((marian_separate, None), (m2m100, ("en", "fr"))):
+        tok = transformers.AutoTokenizer.from_pretrained(str(hf))
+        bundle = load_for_inference(ckpt)
+        if langs:
+            tok.src_lang = langs[0]
+            bundle.set_languages(*langs)
+        for line in lines:
+            if line.strip():
+                assert bundle.encode_source(line) == tok(line)["input_ids"], line
+        # target side: ids -> text as transformers decodes them (special and language tokens skipped)
+        for ids in tok(lines[:50])["input_ids"]:
+            text = tok.decode(ids, skip_special_tokens=True)
+            assert bundle.target_text(ids) == text or langs  # M2M-100 decodes with the one model for both
+
+
+@pytest.mark.slow
+def test_translate_cli_on_imported_models(marian, m2m100, tmp_path):
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(sentence_lines(5, 4)) + "\n\n", encoding="utf-8")
+    for ckpt, extra in ((marian[1], []), (m2m100[1], ["--tgt-lang", "fr"])):
+        out = subprocess.run([sys.executable, "-m", "attnmt.cli", "translate", "--path", str(ckpt), "--quiet",
+                              *extra], stdin=src.open(), capture_output=True, text=True, check=True).stdout
+        lines = out.split("\n")
+        assert len(lines) == 7 and lines[5] == ""  # five translations, the blank line blank
+        assert "__" not in out  # language tokens are not text
+    bad = subprocess.run([sys.executable, "-m", "attnmt.cli", "translate", "--path", str(m2m100[1]), "--tgt-lang",
+                          "xx"], stdin=src.open(), capture_output=True, text=True)
+    assert bad.returncode != 0 and bad.stderr.count("\n") == 1 and "--tgt-lang xx: not a language" in bad.stderr
+
+
+def test_import_refuses_what_it_cannot_run(marian, tmp_path):
+    import shutil
+
+    hf = marian[0]
+
+    def copy(name):
+        d = tmp_path / name
+        shutil.copytree(hf, d)
+        return d
+
+    t5 = copy("t5")
+    cfg = json.loads((t5 / "config.json").read_text())
+    (t5 / "config.json").write_text(json.dumps({**cfg, "model_type": "t5"}))
+    with pytest.raises(UserError, match="a 't5' model; attnmt imports .*marian, m2m_100"):
+        import_model(t5)
+
+    shapes = copy("shapes")
+    (shapes / "config.json").write_text(json.dumps({**cfg, "d_model": 64}))
+    with pytest.raises(UserError, match="shape"):
+        import_model(shapes)
+
+    no_spm = copy("no_spm")
+    (no_spm / "target.spm").unlink()
+    with pytest.raises(UserError, match="target.spm: not found"):
+        import_model(no_spm)
+
+    vocab = copy("vocab")
+    v = json.loads((vocab / "vocab.json").read_text())
+    v.pop(next(iter(v)))
+    (vocab / "vocab.json").write_text(json.dumps(v))
+    with pytest.raises(UserError, match="vocab.json"):
+        import_model(vocab)
+
+    payload = copy("payload")
+    (payload / "model.safetensors").unlink()
+
+    class Payload:
+        def __reduce__(self):
+            return (print, ("payload ran",))
+
+    torch.save({"x": Payload()}, payload / "pytorch_model.bin")
+    with pytest.raises(UserError, match="weights_only"):
+        import_model(payload)
+
+
+def test_import_hf_command_writes_nothing_on_error(tmp_path):
+    out = tmp_path / "model.pt"
+    r = subprocess.run([sys.executable, "-m", "attnmt.cli", "import-hf", str(tmp_path), "-o", str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "config.json: not found" in r.stderr and r.stderr.count("\n") == 1
+    assert not out.exists()
