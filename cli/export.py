@@ -1,4 +1,4 @@
-"""``attnmt export --to ctranslate2|fairseq``: an attnmt checkpoint as another toolkit's model.
+"""``attnmt export --to ctranslate2|fairseq|huggingface``: an attnmt checkpoint as another toolkit's model.
 
 ``--check FILE`` then translates FILE's first 20 lines with attnmt and has the other toolkit score those
 translations token by token; the command fails when a log-probability differs by more than 1e-3.
@@ -16,20 +16,22 @@ CHECK_TOLERANCE = 1e-3
 @click.command("export")
 @click.option("--path", "path", required=True, metavar="CKPT", help="The attnmt checkpoint (or a directory holding "
               "model.pt).")
-@click.option("--to", "target", type=click.Choice(["ctranslate2", "fairseq"]), required=True,
+@click.option("--to", "target", type=click.Choice(["ctranslate2", "fairseq", "huggingface"]), required=True,
               help="ctranslate2: a CTranslate2 model directory; fairseq: checkpoint.pt and dictionaries for "
-                   "fairseq 0.12 (fairseq must be installed).")
+                   "fairseq 0.12 (fairseq must be installed); huggingface: a MarianMT directory for transformers "
+                   "(MarianMTModel, MarianTokenizer) and the tools that read it.")
 @click.option("--output-dir", required=True, metavar="DIR", help="Where to write the model.")
 @click.option("--quantization", type=click.Choice(["int8", "int8_float32", "int16", "float16", "bfloat16"]),
               help="CTranslate2 weight type (default float32).")
-@click.option("--force", is_flag=True, help="Replace --output-dir's CTranslate2 model if there is one.")
+@click.option("--force", is_flag=True, help="Replace --output-dir's CTranslate2 or Hugging Face model if there is one.")
 @click.option("--check", "check_file", metavar="FILE", help="Compare both toolkits' scores on FILE's first 20 lines.")
 def command(path, target, output_dir, quantization, force, check_file):
-    """Export the checkpoint --path to CTranslate2 or fairseq.
+    """Export the checkpoint --path to CTranslate2, fairseq or Hugging Face transformers.
 
     \b
     attnmt export --path checkpoints/averaged.pt --to ctranslate2 --output-dir ct2-model --check test.en
     attnmt export --path checkpoints/averaged.pt --to fairseq --output-dir fairseq-model
+    attnmt export --path checkpoints/averaged.pt --to huggingface --output-dir opus-mt-style-model
     """
     from attnmt import checkpoint
 
@@ -41,6 +43,10 @@ def command(path, target, output_dir, quantization, force, check_file):
         from attnmt.interop.ctranslate2 import check, export_model
 
         out = export_model(ckpt, output_dir, quantization, force)
+    elif target == "huggingface":
+        from attnmt.interop.huggingface import check, export_marian
+
+        out = export_marian(ckpt, output_dir, force)
     else:
         from attnmt.interop.fairseq import check, export_checkpoint
 

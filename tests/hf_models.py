@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import torch
-
 from helpers import sentence_lines
 
 

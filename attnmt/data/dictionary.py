@@ -24,7 +24,6 @@ from typing import Any
 from attnmt.errors import UserError
 from attnmt.fileio import atomic_open
 
-
 VOCABULARY_HEADER = "#attnmt:vocabulary"
 
 
