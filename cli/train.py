@@ -78,11 +78,31 @@ def fairseq_default_notice(given: set[str], setup: Setup) -> str | None:
     return "defaults that differ from fairseq-train's, in effect: " + ", ".join(parts)
 
 
-def _callback(data_bin: str, arch: str, **params) -> None:
+def _base_model(path: str) -> tuple[str, str, dict]:
+    """(arch, model name, model config) of the --finetune-from checkpoint, for a run without --arch."""
+    from attnmt import checkpoint
+
+    p = checkpoint.resolve(path)
+    ckpt = checkpoint.load(p)
+    name = str(ckpt.get("model_name") or "")
+    if name not in registry.choices("model") or not isinstance(ckpt.get("model_config"), dict):
+        raise UserError(f"--finetune-from {p}: the checkpoint does not name a registered model and its config; "
+                        f"give --arch")
+    return str(ckpt.get("arch") or name), name, dict(ckpt["model_config"])
+
+
+def _callback(data_bin: str, arch: str | None, **params) -> None:
     given_kinds = {k for k in KIND_OPTION if params.get(k)}
     names = {k: params.pop(k) or DEFAULTS[k] for k in KIND_OPTION}
     env = distributed.Env.from_environ()
-    model_name = registry.get("arch", arch).model
+    base_model = None
+    if not arch:
+        if not params.get("finetune_from"):
+            raise UserError("give the model with --arch ARCH (or --finetune-from CKPT to continue its architecture)")
+        arch, model_name, base_config = _base_model(params["finetune_from"])
+        base_model = (model_name, base_config)
+    else:
+        model_name = registry.get("arch", arch).model
     entries = {k: registry.get(k, v) for k, v in names.items()}
     classes = {"train": TrainConfig, "distributed": DistributedConfig,
                "model": registry.get("model", model_name).config,
@@ -123,7 +143,7 @@ def _callback(data_bin: str, arch: str, **params) -> None:
                              what=f"--lr-scheduler {names['lr_scheduler']}")
     setup = Setup(
         task=names["task"], task_cfg=cfg("task", f"--task {names['task']}"),
-        arch=arch, model_overrides=per["model"],
+        arch=arch, model_overrides=per["model"], base_model=base_model,
         criterion=names["criterion"], criterion_cfg=cfg("criterion", f"--criterion {names['criterion']}"),
         optimizer=names["optimizer"], optimizer_cfg=cfg("optimizer", f"--optimizer {names['optimizer']}"),
         lr_scheduler=names["lr_scheduler"],
@@ -174,8 +194,9 @@ def _worker_argv() -> list[str]:
 def build_command() -> click.Command:
     params = [
         click.Argument(["data_bin"], metavar="DATA_BIN"),
-        click.Option(["--arch", "-a"], required=True, metavar="ARCH",
-                     help=f"named architecture: {', '.join(registry.choices('arch')) or '(none registered)'}"),
+        click.Option(["--arch", "-a"], metavar="ARCH",
+                     help=f"named architecture: {', '.join(registry.choices('arch')) or '(none registered)'} "
+                          f"[default with --finetune-from: the checkpoint's]"),
     ]
     for kind, opt in KIND_OPTION.items():
         params.append(click.Option([opt], default=None, metavar="NAME",

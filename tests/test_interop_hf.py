@@ -232,3 +232,62 @@ def test_export_to_huggingface_refuses_what_marian_cannot_hold(m2m100, tmp_path)
 
         export_marian(checkpoint.load(m2m100[1]), tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def _text_pairs(d, splits=(("train", 300, 21), ("valid", 40, 22))):
+    from hf_models import target_of
+
+    for split, n, seed in splits:
+        src = sentence_lines(n, seed)
+        (d / f"{split}.en").write_text("\n".join(src) + "\n", encoding="utf-8")
+        (d / f"{split}.de").write_text("\n".join(target_of(s) for s in src) + "\n", encoding="utf-8")
+
+
+@pytest.mark.parametrize("which", ["marian", pytest.param("m2m100", marks=pytest.mark.slow)])
+def test_finetune_an_imported_model(which, request, tmp_path):
+    """preprocess --from-model binarizes with the model's own pipeline (its start token and language tokens):
+    attnmt's teacher-forced loss of the imported model on those batches is transformers' on the raw text; a few
+    updates of train --finetune-from (no --arch: the checkpoint's) lower the valid loss."""
+    from attnmt.tasks.translation import TranslationConfig, TranslationTask
+
+    hf, ckpt = request.getfixturevalue(which)
+    _text_pairs(tmp_path)
+    run = [sys.executable, "-m", "attnmt.cli"]
+    subprocess.run([*run, "preprocess", "-s", "en", "-t", "de", "--trainpref", str(tmp_path / "train"),
+                    "--validpref", str(tmp_path / "valid"), "--destdir", str(tmp_path / "bin"), "--from-model",
+                    str(ckpt)], check=True, capture_output=True)
+    task = TranslationTask(TranslationConfig(source_lang="en", target_lang="de"), tmp_path / "bin")
+    data = task.dataset("valid")
+    batch = data.collate(list(range(len(data))))
+    bundle = load_for_inference(ckpt)
+    assert int(batch["net_input"]["prev_output_tokens"][0, 0]) == bundle.symbols.first
+    net, target = batch["net_input"], batch["target"]
+    with torch.no_grad():
+        logits = bundle.model(net["src_tokens"], net["src_lengths"], net["prev_output_tokens"])
+        lp = torch.log_softmax(logits.float(), -1).gather(-1, target[..., None])[..., 0]
+        ours = float(-lp[target.ne(bundle.symbols.pad)].mean())
+    tok = transformers.AutoTokenizer.from_pretrained(str(hf))
+    if which == "m2m100":
+        tok.src_lang, tok.tgt_lang = "en", "de"
+    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(str(hf)).eval()
+    src = (tmp_path / "valid.en").read_text(encoding="utf-8").splitlines()
+    tgt = (tmp_path / "valid.de").read_text(encoding="utf-8").splitlines()
+    order = batch["id"].tolist()
+    enc = tok([src[i] for i in order], text_target=[tgt[i] for i in order], return_tensors="pt", padding=True)
+    enc["labels"][enc["labels"] == tok.pad_token_id] = -100
+    with torch.no_grad():
+        theirs = float(model(**enc).loss)
+    assert abs(ours - theirs) < 1e-4
+    subprocess.run([*run, "train", str(tmp_path / "bin"), "--finetune-from", str(ckpt), "--save-dir",
+                    str(tmp_path / "ck"), "--max-update", "20", "--lr", "1e-3", "--warmup-updates", "5",
+                    "--max-tokens", "2000", "--progress", "none", "--no-epoch-checkpoints"], check=True,
+                   capture_output=True)
+    tuned = load_for_inference(tmp_path / "ck" / "checkpoint_last.pt")
+    assert tuned.data.decoder_start == bundle.data.decoder_start
+    assert tuned.data.language_tokens == bundle.data.language_tokens
+    with torch.no_grad():
+        logits = tuned.model(net["src_tokens"], net["src_lengths"], net["prev_output_tokens"])
+        lp = torch.log_softmax(logits.float(), -1).gather(-1, target[..., None])[..., 0]
+        after = float(-lp[target.ne(bundle.symbols.pad)].mean())
+    assert after < ours - 0.05
+    assert tuned.encode_source(src[0]) == bundle.encode_source(src[0])

@@ -29,6 +29,7 @@ class DataBinInfo:
     bpe_model: str | None = None
     tokenizer: str = "none"
     lowercase: bool = False
+    model: dict | None = None  # preprocess --from-model: the conventions of the model to fine-tune
 
     @classmethod
     def read(cls, data_bin: str | os.PathLike, required: bool = False) -> DataBinInfo:
@@ -48,4 +49,5 @@ class DataBinInfo:
         return cls(source_lang=meta.get("source_lang"), target_lang=meta.get("target_lang"),
                    joined_dictionary=None if joined is None else bool(joined), bpe=meta.get("bpe"),
                    bpe_model=meta.get("bpe_model"), tokenizer=str(meta.get("tokenizer") or "none"),
-                   lowercase=bool(meta.get("lowercase", False)))
+                   lowercase=bool(meta.get("lowercase", False)),
+                   model=meta["model"] if isinstance(meta.get("model"), dict) else None)

@@ -59,6 +59,8 @@ def preprocess(cfg: PreprocessConfig, quiet: bool = False) -> dict[str, Any]:
     if destdir.exists() and not destdir.is_dir():
         raise UserError(f"{destdir}: --destdir is a file, not a directory; choose a directory")
     check_output_dir(destdir.parent, "--destdir")  # the output is built beside it, then renamed into place
+    if cfg.from_model:
+        cfg = _from_model(cfg)
     get("bpe", cfg.bpe)
     get("tokenizer", cfg.tokenizer)
     splits = plan_splits(cfg)
@@ -112,6 +114,31 @@ def _preprocess(cfg: PreprocessConfig, splits: list[Split], quiet: bool, t0: flo
     return {**summary, "up_to_date": False, "destdir": str(destdir), "elapsed_s": time.time() - t0}
 
 
+def _from_model(cfg: PreprocessConfig) -> PreprocessConfig:
+    """``cfg`` with the text pipeline of the ``--from-model`` checkpoint (its ``model_data`` the checkpoint's)."""
+    from attnmt import checkpoint
+
+    path = checkpoint.resolve(cfg.from_model)
+    data = checkpoint.DataSection.from_dict(checkpoint.load(path)["data"], path)
+    if data.bpe != "sentencepiece" or data.bpe_model_bytes() is None:
+        raise UserError(f"--from-model {path}: the checkpoint carries no SentencePiece model; binarize with "
+                        f"--srcdict/--tgtdict and the subword model its data was made with")
+    langs = data.language_tokens or {}
+    if langs:
+        for lang, what in ((cfg.source_lang, "source"), (cfg.target_lang, "target")):
+            if lang not in langs:
+                raise UserError(f"--{what}-lang {lang}: not a language of {path.name} (e.g. "
+                                f"{', '.join(sorted(langs)[:10])}); name the files by the model's language codes")
+    elif (cfg.source_lang, cfg.target_lang) != (data.source_lang, data.target_lang) and \
+            (data.source_lang, data.target_lang) != ("src", "tgt"):
+        raise UserError(f"-s {cfg.source_lang} -t {cfg.target_lang}: {path.name} translates {data.source_lang}->"
+                        f"{data.target_lang}; give its languages")
+    cfg = dataclasses.replace(cfg, bpe="sentencepiece", tokenizer=data.tokenizer, lowercase=data.lowercase,
+                              joined_dictionary=data.joint_dictionary)
+    cfg.model_data = data  # not an option: what _build takes from the checkpoint
+    return cfg
+
+
 def _bpe_model_name(bpe: str) -> str:
     return {"sentencepiece": "spm.model", "subword_nmt": "bpecodes"}.get(bpe, f"{bpe}.model")
 
@@ -126,15 +153,27 @@ def _build(cfg: PreprocessConfig, splits: list[Split], scans: dict[str, ScanResu
     threads = max(1, (os.cpu_count() or 1) // cfg.workers)
     bpe_cls = get("bpe", cfg.bpe).obj
 
+    model_data = getattr(cfg, "model_data", None)  # --from-model's checkpoint data section
+    tgt_model_file: str | None = None  # the target side's own subword model (--from-model)
+
     def specs(bpe_name: str, model: str | None) -> dict[str, PipelineSpec]:
-        return {lang: PipelineSpec(cfg.tokenizer, lang, cfg.lowercase, bpe_name, model, threads) for lang in langs}
+        files = {src: model, tgt: tgt_model_file or model}
+        return {lang: PipelineSpec(cfg.tokenizer, lang, cfg.lowercase, bpe_name, files[lang], threads)
+                for lang in langs}
 
     # ---- subword model
     train = next((s for s in splits if s.train), None)
     normalized: dict[tuple[str, int], dict[str, str]] = {}
     model_file: str | None = None
     bpe_info: dict[str, Any] = {}
-    if cfg.spm_model or cfg.bpe_codes:
+    if model_data is not None:
+        bpe = bpe_cls.from_bytes(model_data.bpe_model_bytes("src"), what=f"--from-model {cfg.from_model}")
+        if model_data.tgt_bpe_model is not None:
+            tgt_model_file = str(tmp / "spm.tgt.model")
+            with atomic_open(tgt_model_file, "wb") as f:
+                f.write(model_data.bpe_model_bytes("tgt"))
+            bpe_info.update(tgt_model="spm.tgt.model")
+    elif cfg.spm_model or cfg.bpe_codes:
         bpe = bpe_cls.load(cfg.spm_model or cfg.bpe_codes)
     elif cfg.bpe != "none" and train is not None:
         jobs = []
@@ -176,7 +215,11 @@ def _build(cfg: PreprocessConfig, splits: list[Split], scans: dict[str, ScanResu
                         f"more than --max-len {cfg.max_len} tokens); check the corpus or raise --max-len")
 
     # ---- dictionaries
-    dicts = _dictionaries(cfg, [r for r in enc if r.split == (train.name if train else None)])
+    if model_data is not None:
+        dicts = dict(zip(langs, model_data.dictionaries(cfg.from_model)))
+    else:
+        dicts = _dictionaries(cfg, [r for r in enc if r.split == (train.name if train else None)])
+    language_tokens = (model_data.language_tokens or {}) if model_data is not None else {}
     dict_paths = {}
     for lang in langs:
         dict_paths[lang] = str(tmp / f"dict.{lang}.txt")
@@ -187,7 +230,7 @@ def _build(cfg: PreprocessConfig, splits: list[Split], scans: dict[str, ScanResu
     for job in enc_jobs:
         for lang in langs:
             bin_jobs.append(BinarizeJob(job.part.split, lang, job.outputs[lang], dict_paths[lang],
-                                        job.outputs[lang] + ".ds"))
+                                        job.outputs[lang] + ".ds", language_tokens.get(lang)))
     stage = progress.stage("binarizing", len(bin_jobs))
     counts = runner.map(binarize_part, bin_jobs, stage)
     stage.done()
@@ -206,6 +249,10 @@ def _build(cfg: PreprocessConfig, splits: list[Split], scans: dict[str, ScanResu
     shutil.rmtree(work)
 
     summary = _summary(cfg, splits, scans, fingerprint, enc, totals, dicts, dict_paths, bpe_info)
+    if model_data is not None:  # the conventions a model fine-tuned on this data keeps
+        summary["model"] = {"from": str(cfg.from_model), "tgt_bpe_model": bpe_info.get("tgt_model"),
+                            "decoder_start": model_data.decoder_start,
+                            "language_tokens": model_data.language_tokens}
     if sampled is not None:
         summary["bpe_dropout"] = sampled
     return summary

@@ -50,6 +50,9 @@ class PreprocessConfig:
     lowercase: bool = field(default=False, metadata={"help": "lowercase the text (after tokenization)"})
     joined_dictionary: bool = field(default=False, metadata={
         "help": "one dictionary for both languages (needed to share embeddings)"})
+    from_model: str | None = field(default=None, metadata={
+        "help": "binarize for fine-tuning this attnmt checkpoint (e.g. one of attnmt import-hf): its subword "
+                "models, dictionaries, tokenizer and language tokens, instead of learning or choosing them"})
     srcdict: str | None = field(default=None, metadata={"help": "reuse this source dictionary"})
     tgtdict: str | None = field(default=None, metadata={"help": "reuse this target dictionary"})
     thresholdsrc: int = field(default=0, metadata={"help": "drop source symbols seen fewer times than this"})
@@ -91,6 +94,13 @@ class PreprocessConfig:
                 raise UserError("--bpe-dropout segments the training split again; give --trainpref")
             if self.bpe_dropout_samples < 1:
                 raise UserError(f"--bpe-dropout-samples must be at least 1, got {self.bpe_dropout_samples}")
+        if self.from_model:
+            clash = [f"--{n.replace('_', '-')}" for n in ("spm_model", "bpe_codes", "srcdict", "tgtdict")
+                     if getattr(self, n)]
+            if clash or self.bpe_dropout:
+                raise UserError(f"--from-model takes the subword models and dictionaries from the checkpoint; "
+                                f"drop {', '.join(clash) or '--bpe-dropout'}")
+            return
         if self.spm_model and self.bpe != "sentencepiece":
             raise UserError("--spm-model needs --bpe sentencepiece")
         if self.bpe_codes and self.bpe != "subword_nmt":

@@ -193,6 +193,7 @@ class BinarizeJob:
     pieces: str  # pieces file of one part and language
     dict_path: str
     prefix: str  # output part dataset
+    language_token: str | None = None  # put before every sentence (a multilingual model's language token)
 
 
 def binarize_part(job: BinarizeJob) -> tuple[int, int, int, int]:
@@ -201,8 +202,11 @@ def binarize_part(job: BinarizeJob) -> tuple[int, int, int, int]:
     unk = d.unk()
     n = tokens = unks = longest = 0
     with IndexedDatasetBuilder(job.prefix, len(d)) as b:
+        first = [] if job.language_token is None else [d.index(job.language_token)]
         for line in read_lines(job.pieces):
             ids = d.encode_line(line)
+            if first and len(ids) > 1:
+                ids = first + ids
             b.add(ids)
             n += 1
             tokens += len(ids)

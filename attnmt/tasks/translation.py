@@ -114,8 +114,13 @@ class TranslationTask:
                             f"re-run attnmt preprocess")
         src.check_ids(len(self.src_dict), f"dict.{self.src_lang}.txt")
         tgt.check_ids(len(self.tgt_dict), f"dict.{self.tgt_lang}.txt")
-        return LanguagePairDataset(src, tgt, pad=self.src_dict.pad(), eos=self.src_dict.eos(),
+        return LanguagePairDataset(src, tgt, pad=self.src_dict.pad(), eos=self.decoder_start(),
                                    pad_to_multiple=pad_to_multiple)
+
+    def decoder_start(self) -> int:
+        """The token the decoder starts from: EOS, or the fine-tuned model's own (Marian's ``<pad>``)."""
+        start = (self.meta.model or {}).get("decoder_start")
+        return self.tgt_dict.index(start) if start else self.tgt_dict.eos()
 
     def valid_subsets(self) -> list[str]:
         return [s.strip() for s in self.cfg.valid_subset.split(",") if s.strip()]
@@ -127,11 +132,18 @@ class TranslationTask:
         bpe_model = None
         if spm.exists():
             bpe_model = torch.frombuffer(bytearray(spm.read_bytes()), dtype=torch.uint8).clone()
+        model = self.meta.model or {}
+        tgt_spm = self.data_bin / model["tgt_bpe_model"] if model.get("tgt_bpe_model") else None
+        tgt_bpe_model = None
+        if tgt_spm is not None and tgt_spm.exists():
+            tgt_bpe_model = torch.frombuffer(bytearray(tgt_spm.read_bytes()), dtype=torch.uint8).clone()
         return DataSection(
             source_lang=self.src_lang, target_lang=self.tgt_lang, joint_dictionary=bool(self.joint_dictionary),
             src_dict=self.src_dict.to_state(), tgt_dict=self.tgt_dict.to_state(),
             src_dict_sha256=self.src_dict.checksum(), tgt_dict_sha256=self.tgt_dict.checksum(),
-            bpe=bpe, bpe_model=bpe_model, tokenizer=self.meta.tokenizer, lowercase=self.meta.lowercase)
+            bpe=bpe, bpe_model=bpe_model, tokenizer=self.meta.tokenizer, lowercase=self.meta.lowercase,
+            tgt_bpe_model=tgt_bpe_model, decoder_start=str(model.get("decoder_start") or ""),
+            language_tokens=model.get("language_tokens") or None)
 
     # ------------------------------------------------------------------------------------------------ model
 

@@ -54,7 +54,8 @@ class BleuValidator:
         self.refs = [self.text(task.tgt_dict.string(data.tgt[i])) for i in range(n)]
         self.search_cfg = SearchConfig(beam=cfg.eval_bleu_beam, lenpen=cfg.eval_bleu_lenpen,
                                        max_len_a=cfg.eval_bleu_max_len_a, max_len_b=cfg.eval_bleu_max_len_b)
-        self.symbols = Symbols.from_dictionary(task.tgt_dict)
+        start = task.decoder_start() if hasattr(task, "decoder_start") else task.tgt_dict.eos()
+        self.symbols = Symbols.from_dictionary(task.tgt_dict, start=None if start == task.tgt_dict.eos() else start)
 
     def text(self, pieces: str) -> str:
         """Pieces -> the text BLEU is computed on."""

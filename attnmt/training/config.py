@@ -214,3 +214,5 @@ class Setup:
     lr_scheduler: str
     lr_scheduler_cfg: Any
     notices: tuple[str, ...] = ()  # logged at the start of the run (e.g. defaults that differ from fairseq's)
+    # without --arch, --finetune-from's model: (its model name, its model config), the user's options over it
+    base_model: tuple[str, dict] | None = None

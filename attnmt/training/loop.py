@@ -120,7 +120,15 @@ class TrainingRun:
         """The task, the model prepared by the backend, the criterion, the optimizer and the trainer."""
         cfg, setup, backend = self.cfg, self.setup, self.backend
         self.task = get("task", setup.task).obj(setup.task_cfg, data_bin)
-        self.model_name, self.model_cfg, self.notes = self.task.model_config(setup.arch, setup.model_overrides)
+        if setup.base_model is not None:  # --finetune-from without --arch: the checkpoint's architecture
+            from attnmt.config import make_config
+
+            name, base = setup.base_model
+            self.model_name, self.notes = name, [f"the architecture of --finetune-from {cfg.finetune_from}"]
+            self.model_cfg = make_config(get("model", name).config, {**base, **setup.model_overrides},
+                                         what=f"--finetune-from {cfg.finetune_from}")
+        else:
+            self.model_name, self.model_cfg, self.notes = self.task.model_config(setup.arch, setup.model_overrides)
         model = self.task.build_model(self.model_name, self.model_cfg).to(backend.device)
         backend.prepare_training(model, cfg.cpu_attention, cfg.compile)  # before the optimizer and DDP see it
         if cfg.world_size > 1:  # every rank built the same weights; from here on each draws its own dropout masks
