@@ -80,7 +80,9 @@ class Translator:
         self._check_names(options, known_options(), "Translator")
         self.search_cfg, self.gen_cfg = generation_configs(_given(options))
         configure_process("generate", self.gen_cfg.device)
-        self.bundle, self.generator = load_generator(str(path), self.search_cfg, self.gen_cfg)
+        from attnmt.interop.huggingface import resolve
+
+        self.bundle, self.generator = load_generator(resolve(path), self.search_cfg, self.gen_cfg)
         self.note = self.bundle.with_remove_bpe(remove_bpe)  # what --remove-bpe would print, if anything
         self._options = options
         self._generators: dict[str, Any] = {repr(self.search_cfg): self.generator}
@@ -88,6 +90,15 @@ class Translator:
         self._generators_lock = threading.Lock()
         self._next_id = 0  # numbers sentences across calls, as a stream: sampling seeds follow it
         self.closed = False
+
+    @classmethod
+    def from_pretrained(cls, name_or_dir: str | os.PathLike, **options: Any) -> Translator:
+        """A pretrained model ready to translate: a Hugging Face hub name (``Helsinki-NLP/opus-mt-en-de``, read
+        from the local Hugging Face cache, downloaded into it first where a network is reachable), a directory
+        ``save_pretrained`` wrote, or an attnmt checkpoint; the options are ``Translator``'s (``src_lang`` and
+        ``tgt_lang`` choose a multilingual model's pair). A Hugging Face model is imported once into attnmt's cache
+        (``attnmt.interop.huggingface.resolve``); ``Translator(path)`` takes the same names."""
+        return cls(name_or_dir, **options)
 
     # ---------------------------------------------------------------------------------------------- properties
 

@@ -85,7 +85,9 @@ def command(data_dir, path, input_path, buffer_size, source_lang, target_lang, t
         fairseq_defaults(params)
     search_cfg, gen_cfg = configs(params)
     configure_process("generate", gen_cfg.device)
-    bundle, generator = load_generator(path, search_cfg, gen_cfg)
+    from attnmt.interop.huggingface import resolve
+
+    bundle, generator = load_generator(resolve(path), search_cfg, gen_cfg)
     try:
         for given, theirs, what in ((source_lang, bundle.source_lang, "source"),
                                     (target_lang, bundle.target_lang, "target")):

@@ -20,16 +20,13 @@ from helpers import sentence_lines
 
 transformers = pytest.importorskip("transformers")
 
-from hf_models import m2m100_dir, marian_dir  # noqa: E402
+from hf_models import compare, fsmt_dir, m2m100_dir, marian_dir  # noqa: E402
 
 from attnmt import checkpoint  # noqa: E402
 from attnmt.errors import UserError  # noqa: E402
-from attnmt.generation.beam import BeamSearchConfig  # noqa: E402
 from attnmt.generation.search import SearchConfig, search  # noqa: E402
 from attnmt.inference import load_for_inference  # noqa: E402
 from attnmt.interop.huggingface import import_model  # noqa: E402
-
-MAX_NEW = 40
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +46,14 @@ def marian_separate(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def fsmt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fsmt")
+    hf = fsmt_dir(root)
+    checkpoint.save(import_model(hf), root / "model.pt")
+    return hf, root / "model.pt"
+
+
+@pytest.fixture(scope="module")
 def m2m100(tmp_path_factory):
     root = tmp_path_factory.mktemp("m2m100")
     hf = m2m100_dir(root)
@@ -56,41 +61,9 @@ def m2m100(tmp_path_factory):
     return hf, root / "model.pt"
 
 
-def compare(hf_dir, ckpt, lines, langs=None):
-    """(tokenizer ids identical, {beam: (identical hypotheses, max |log-prob difference|)})."""
-    tok = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
-    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(str(hf_dir)).eval()
-    bundle = load_for_inference(ckpt)
-    extra = {}
-    if langs:
-        tok.src_lang = langs[0]
-        bundle.set_languages(*langs)
-        extra = {"forced_bos_token_id": tok.get_lang_id(langs[1])}
-    ours = bundle.encode_sources(lines)
-    theirs = [tok(line)["input_ids"] for line in lines]
-    same_ids = sum(a == b for a, b in zip(ours, theirs))
-    results = {}
-    for beam in (1, 4):
-        cfg = SearchConfig(beam=beam, lenpen=0.0, min_len=0, max_len_a=0, max_len_b=MAX_NEW,
-                           options=BeamSearchConfig(early_stop="beam"))
-        same, worst = 0, 0.0
-        for src, hf_src in zip(ours, theirs):
-            hyp = search(bundle.model, torch.tensor([src]), torch.tensor([len(src)]), cfg, bundle.symbols)[0][0]
-            with torch.no_grad():
-                out = model.generate(torch.tensor([hf_src]), num_beams=beam, do_sample=False, length_penalty=0.0,
-                                     early_stopping=True, max_new_tokens=MAX_NEW + 1, **extra)[0].tolist()
-                prev = torch.tensor([[model.config.decoder_start_token_id] + hyp.tokens[:-1]])
-                logits = model(input_ids=torch.tensor([hf_src]), decoder_input_ids=prev).logits[0]
-                lp = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(hyp.tokens)[:, None])[:, 0]
-            skip = 1 if bundle.forced_first is not None else 0  # the forced token: 0 in both searches
-            worst = max(worst, float((lp[skip:] - torch.tensor(hyp.positional_scores[skip:])).abs().max()))
-            same += out[1:] == hyp.tokens
-        results[beam] = (same, worst)
-    return same_ids, results
-
-
 @pytest.mark.parametrize("which", ["marian", pytest.param("marian_separate", marks=pytest.mark.slow),
-                                   pytest.param("m2m100", marks=pytest.mark.slow)])
+                                   pytest.param("m2m100", marks=pytest.mark.slow),
+                                   pytest.param("fsmt", marks=pytest.mark.slow)])
 def test_imported_model_translates_as_transformers_does(which, request):
     hf, ckpt = request.getfixturevalue(which)
     lines = sentence_lines(40, 3)
@@ -102,9 +75,10 @@ def test_imported_model_translates_as_transformers_does(which, request):
 
 
 @pytest.mark.slow
-def test_tokenizers_give_transformers_ids(marian_separate, m2m100):
-    lines = sentence_lines(300, 11) + ["", "  Two   spaces  ", "Ünïcode – “quotes” …", "x" * 300]
-    for (hf, ckpt), langs in ((marian_separate, None), (m2m100, ("en", "fr"))):
+def test_tokenizers_give_transformers_ids(marian_separate, m2m100, fsmt):
+    lines = sentence_lines(300, 11) + ["", "  Two   spaces  ", "Ünïcode – “quotes” … «x» 1/2 ‘a’", "x" * 300,
+                                       "A-B-C 'quoted' & <tag> \u200b zero\u00a0width", "Ｆｕｌｌ，ｗｉｄｔｈ。"]
+    for (hf, ckpt), langs in ((marian_separate, None), (m2m100, ("en", "fr")), (fsmt, None)):
         tok = transformers.AutoTokenizer.from_pretrained(str(hf))
         bundle = load_for_inference(ckpt)
         if langs:
@@ -114,9 +88,12 @@ def test_tokenizers_give_transformers_ids(marian_separate, m2m100):
             if line.strip():
                 assert bundle.encode_source(line) == tok(line)["input_ids"], line
         # target side: ids -> text as transformers decodes them (special and language tokens skipped)
-        for ids in tok(lines[:50])["input_ids"]:
-            text = tok.decode(ids, skip_special_tokens=True)
-            assert bundle.target_text(ids) == text or langs  # M2M-100 decodes with the one model for both
+        if langs:
+            tok.tgt_lang = langs[1]
+        languages = set(getattr(tok, "lang_token_to_id", {}).values())  # not text (attnmt drops them always)
+        for ids in tok(text_target=lines[:50])["input_ids"]:
+            text = tok.decode([i for i in ids if i not in languages], skip_special_tokens=True)
+            assert bundle.target_text(ids) == text
 
 
 @pytest.mark.slow
@@ -291,3 +268,38 @@ def test_finetune_an_imported_model(which, request, tmp_path):
         after = float(-lp[target.ne(bundle.symbols.pad)].mean())
     assert after < ours - 0.05
     assert tuned.encode_source(src[0]) == bundle.encode_source(src[0])
+
+
+def test_from_pretrained_reads_the_hub_cache_and_model_dirs(marian, tmp_path, monkeypatch):
+    """``Translator.from_pretrained`` and ``--path`` take a hub name, resolved offline through a Hugging Face cache
+    laid out as huggingface_hub lays it out, and a model directory; both translate as the imported checkpoint
+    (imported once into attnmt's cache)."""
+    import shutil
+
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    from attnmt import Translator
+
+    hf, ckpt = marian
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--someone--tiny-marian"
+    shutil.copytree(hf, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("ATTNMT_CACHE_DIR", str(tmp_path / "cache"))  # where the imported checkpoint is kept
+    lines = sentence_lines(8, 6)
+    with Translator(ckpt) as t:
+        want = t.translate(lines)
+    for name in ("someone/tiny-marian", str(hf)):
+        with Translator.from_pretrained(name) as t:
+            assert t.translate(lines) == want
+    assert len(list((tmp_path / "cache" / "imported").glob("*.pt"))) == 2  # imported once each, then loaded
+    with pytest.raises(UserError, match="someone/missing: not in the Hugging Face cache"):
+        Translator.from_pretrained("someone/missing")
+    r = subprocess.run([sys.executable, "-m", "attnmt.cli", "translate", "--path", "someone/tiny-marian", "--quiet"],
+                       input="\n".join(lines) + "\n", capture_output=True, text=True,
+                       env={**__import__("os").environ, "HF_HUB_CACHE": str(tmp_path / "hub")})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == want

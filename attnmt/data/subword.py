@@ -51,6 +51,27 @@ class MosesTokenizer:
         return self._detok.detokenize(text.split(), return_str=True)
 
 
+@register("tokenizer", "moses_wmt19", config=MosesTokenizerConfig)
+class MosesWmt19Tokenizer:
+    """fairseq's WMT'19 pipeline (FSMT): Unicode punctuation replaced, punctuation normalized, non-printing
+    characters removed, then Moses tokenization with aggressive dash splits and XML escaping (sacremoses)."""
+
+    def __init__(self, lang: str = "en"):
+        from sacremoses import MosesDetokenizer, MosesPunctNormalizer
+        from sacremoses import MosesTokenizer as _Tok
+
+        self.lang = lang
+        self._norm = MosesPunctNormalizer(lang=lang, pre_replace_unicode_punct=True, post_remove_control_chars=True)
+        self._tok = _Tok(lang=lang)
+        self._detok = MosesDetokenizer(lang=lang)
+
+    def encode(self, text: str) -> str:
+        return " ".join(self._tok.tokenize(self._norm.normalize(text), aggressive_dash_splits=True, escape=True))
+
+    def decode(self, text: str) -> str:
+        return self._detok.detokenize(text.split())
+
+
 @dataclass
 class NoTokenizerConfig:
     lang: str = field(default="en", metadata={"help": "unused; accepted for a uniform interface"})
@@ -352,6 +373,98 @@ def _sample(files: list[str], total: int, n: int, seed: int) -> Iterator[str]:
     for i, line in enumerate(_nonempty_lines(files)):
         if keep[i]:
             yield line
+
+
+@dataclass
+class FastBpeConfig:
+    pass
+
+
+@register("bpe", "fastbpe", config=FastBpeConfig)
+class FastBPE(SubwordModel):
+    """BPE with an end-of-word marker (``</w>`` on a word's last piece), applied by the ranks of a merges file
+    (``first second [count]`` per line, best first): the subwords of fastBPE, XLM and fairseq's WMT'19 models (FSMT's
+    ``merges.txt``). attnmt applies such codes; it learns its own subwords with sentencepiece or subword_nmt."""
+
+    CACHE = 100_000  # words remembered (a bounded cache: a stream of new words does not grow it)
+
+    def __init__(self, merges: bytes, what: str = "merges file"):
+        try:
+            text = bytes(merges).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"{what}: not UTF-8 ({e.reason} at byte {e.start}); pass a merges file") from None
+        ranks = {}
+        for lineno, line in enumerate(text.split("\n"), 1):
+            parts = line.split()
+            if not parts:
+                continue
+            if len(parts) < 2 or (len(parts) > 2 and not parts[2].isdigit()):
+                raise UserError(f"{what}:{lineno}: expected 'first second [count]', got {line[:80]!r}")
+            ranks.setdefault((parts[0], parts[1]), len(ranks))
+        self._bytes, self._ranks = bytes(merges), ranks
+        self._cache: dict[str, str] = {}
+
+    @classmethod
+    def train(cls, files, vocab_size, model_path_prefix, max_sentences=1_000_000, cfg=None) -> FastBPE:
+        raise UserError("--bpe fastbpe applies the merges of an imported model; to learn subwords use --bpe "
+                        "sentencepiece or --bpe subword_nmt")
+
+    @classmethod
+    def load(cls, model_path: str | os.PathLike | None = None) -> FastBPE:
+        if model_path is None:
+            raise UserError("--bpe fastbpe needs its merges file; it comes with an imported model")
+        try:
+            return cls(Path(model_path).read_bytes(), str(model_path))
+        except FileNotFoundError:
+            raise UserError(f"{model_path}: merges file not found") from None
+
+    @classmethod
+    def from_bytes(cls, data: bytes, what: str = "merges file") -> FastBPE:
+        return cls(data, what)
+
+    def _word(self, word: str) -> str:
+        got = self._cache.get(word)
+        if got is not None:
+            return got
+        pieces = list(word[:-1]) + [word[-1] + "</w>"]
+        ranks = self._ranks
+        while len(pieces) > 1:
+            best, at = None, -1
+            for i in range(len(pieces) - 1):
+                r = ranks.get((pieces[i], pieces[i + 1]))
+                if r is not None and (best is None or r < best):
+                    best, at = r, i
+            if best is None:
+                break
+            first, second = pieces[at], pieces[at + 1]
+            merged, i = [], 0
+            while i < len(pieces):  # every occurrence of the best pair, left to right
+                if i < len(pieces) - 1 and pieces[i] == first and pieces[i + 1] == second:
+                    merged.append(first + second)
+                    i += 2
+                else:
+                    merged.append(pieces[i])
+                    i += 1
+            pieces = merged
+        out = " ".join(pieces)
+        if len(self._cache) < self.CACHE:
+            self._cache[word] = out
+        return out
+
+    def encode(self, text: str) -> str:
+        return " ".join(self._word(w) for w in text.split())
+
+    def encode_batch(self, lines: list[str], num_threads: int = -1) -> list[str]:
+        return [self.encode(line) for line in lines]
+
+    def decode(self, pieces: str) -> str:
+        return " ".join("".join(pieces.split()).replace("</w>", " ").split())
+
+    def model_bytes(self) -> bytes:
+        return self._bytes
+
+    def describe(self) -> dict:
+        return {"merges": len(self._ranks)}
 
 
 @dataclass

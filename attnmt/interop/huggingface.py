@@ -6,6 +6,9 @@ read with ``weights_only``; the tokenizer's files) becomes an attnmt checkpoint 
 * ``marian`` (MarianMT, the OPUS-MT models): post-norm, sinusoids as all sines then all cosines from position 0
   (``sinusoid_style = halves``), the decoder started from ``<pad>``, ``vocab.json`` (and ``target_vocab.json`` where
   the sides have their own vocabularies) with ``source.spm`` and ``target.spm``.
+* ``fsmt`` (fairseq's WMT'19 models): fairseq's transformer, post-norm, fairseq's sinusoids, separate
+  vocabularies (``vocab-src.json``, ``vocab-tgt.json``), Moses (``moses_wmt19``) and BPE codes with an end-of-word
+  marker (``merges.txt``, ``fastbpe``).
 * ``m2m_100`` (M2M-100): pre-norm with a final LayerNorm per stack, fairseq's sinusoids numbered from 2, the
   source starting with its language's token and the target's language token forced as the first one generated,
   ``vocab.json`` with ``sentencepiece.bpe.model``.
@@ -26,7 +29,7 @@ import torch
 
 from attnmt.errors import UserError
 
-SUPPORTED = ("marian", "m2m_100")
+SUPPORTED = ("marian", "m2m_100", "fsmt")
 ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "swish": "swish", "silu": "swish"}
 
 
@@ -55,7 +58,7 @@ def read_config(model_dir: str | os.PathLike) -> dict:
     kind = str(cfg.get("model_type") or "")
     if kind not in SUPPORTED:
         raise UserError(f"{d / 'config.json'}: a '{kind or 'unnamed'}' model; attnmt imports the encoder-decoder "
-                        f"translation models of type {', '.join(SUPPORTED)} (MarianMT/OPUS-MT, M2M-100)")
+                        f"translation models of type {', '.join(SUPPORTED)} (MarianMT/OPUS-MT, M2M-100, FSMT)")
     return cfg
 
 
@@ -168,6 +171,26 @@ def _layers(state: dict, fields: dict, path: Path) -> dict[str, torch.Tensor]:
                                 f"config.json")
             out[f"{ours}.{suffix}"] = torch.cat([state[k].float() for k in pieces], dim=0)
     return out
+
+
+def _stored_positions(state: dict, fields: dict, weights: dict, path: Path) -> None:
+    """Where the weights hold position tables (FSMT's are parameters) that are not the sinusoids they started as,
+    they are what the model was trained with: the model takes them as learned positions (fairseq's rows from
+    index 2 on)."""
+    from attnmt.models.transformer import sinusoid_table
+
+    tables = {side: state.get(f"model.{side}.embed_positions.weight") for side in ("encoder", "decoder")}
+    if any(t is None for t in tables.values()):
+        return
+    n = fields["max_source_positions"]
+    rows = {side: t.float()[2:2 + n] for side, t in tables.items()}
+    if any(r.size(0) < n for r in rows.values()):
+        raise UserError(f"{path}: the position tables hold fewer than max_position_embeddings {n} positions")
+    if all(torch.allclose(r, sinusoid_table(n, r.size(1), "fairseq"), atol=1e-5) for r in rows.values()):
+        return
+    fields["learned_pos"] = True
+    for side, r in rows.items():
+        weights[f"{side}.embed.positions.weight"] = r.clone()
 
 
 def _marian(d: Path, cfg: dict, state: dict) -> tuple[dict, dict, dict]:
@@ -298,7 +321,57 @@ def _m2m100(d: Path, cfg: dict, state: dict) -> tuple[dict, dict, dict]:
     return fields, weights, data
 
 
-FAMILIES = {"marian": _marian, "m2m_100": _m2m100}
+def _fsmt(d: Path, cfg: dict, state: dict) -> tuple[dict, dict, dict]:
+    """(model config fields, attnmt weights, data section fields) of an FSMT directory (fairseq's WMT'19 models:
+    post-norm, fairseq's sinusoids, separate vocabularies, Moses and BPE codes with an end-of-word marker)."""
+    from attnmt.data.dictionary import Dictionary
+
+    fields = _common_fields(cfg, d / "config.json")
+    fields["sinusoid_style"] = "fairseq"
+    src_v, tgt_v = int(cfg["src_vocab_size"]), int(cfg["tgt_vocab_size"])
+    langs = cfg.get("langs") or ["src", "tgt"]
+    tok_cfg = _json(d / "tokenizer_config.json", "the tokenizer files") if (d / "tokenizer_config.json").is_file() \
+        else {}
+    fields_lower = bool(tok_cfg.get("do_lower_case"))
+    dicts = []
+    for side, name, size in (("source", "vocab-src.json", src_v), ("target", "vocab-tgt.json", tgt_v)):
+        syms = _vocabulary(d / name, size, side)
+        try:
+            dicts.append(Dictionary.from_vocabulary(syms, pad="<pad>", eos="</s>", unk="<unk>", bos="<s>"))
+        except UserError as e:
+            raise UserError(f"{d / name}: {e}") from None
+    src_dict, tgt_dict = dicts
+    if src_dict.pad() != tgt_dict.pad() or tgt_dict.pad() != int(cfg.get("pad_token_id", 1)):
+        raise UserError(f"{d}: the vocabularies' padding ids differ from config.json's pad_token_id")
+    d_model = fields["encoder_embed_dim"]
+    path = d / "model.safetensors"
+    weights = _layers(state, fields, path)
+    weights["encoder.embed.tokens.weight"] = _tensor(state, "model.encoder.embed_tokens.weight", (src_v, d_model),
+                                                     path)
+    weights["decoder.embed.tokens.weight"] = _tensor(state, "model.decoder.embed_tokens.weight", (tgt_v, d_model),
+                                                     path)
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    key = _first(state, "model.decoder.output_projection.weight", "lm_head.weight")
+    weights["decoder.output_projection.weight"] = weights["decoder.embed.tokens.weight"] if tied and key not in \
+        state else _tensor(state, key, (tgt_v, d_model), path)
+    fields["share_decoder_input_output_embed"] = tied
+    _stored_positions(state, fields, weights, path)
+    merges = d / "merges.txt"
+    if not merges.is_file():
+        raise UserError(f"{merges}: not found; the BPE merges are one of the tokenizer files")
+    from attnmt.data.subword import FastBPE
+
+    FastBPE(merges.read_bytes(), str(merges))  # a clear error for a file that is not one
+    joint = src_dict.checksum() == tgt_dict.checksum()
+    data = {"src_dict": src_dict, "tgt_dict": tgt_dict, "joint": joint, "bpe": "fastbpe",
+            "bpe_model": merges.read_bytes(), "tgt_bpe_model": None,
+            "decoder_start": tgt_dict[int(cfg.get("decoder_start_token_id", tgt_dict.eos()))],
+            "source_lang": langs[0], "target_lang": langs[1], "language_tokens": None,
+            "tokenizer": "moses_wmt19", "lowercase": fields_lower}
+    return fields, weights, data
+
+
+FAMILIES = {"marian": _marian, "m2m_100": _m2m100, "fsmt": _fsmt}
 
 
 def import_model(model_dir: str | os.PathLike, source_lang: str | None = None,
@@ -342,7 +415,9 @@ def import_model(model_dir: str | os.PathLike, source_lang: str | None = None,
     section = checkpoint.DataSection(
         source_lang=src, target_lang=tgt, joint_dictionary=data["joint"], src_dict=src_dict.to_state(),
         tgt_dict=tgt_dict.to_state(), src_dict_sha256=src_dict.checksum(), tgt_dict_sha256=tgt_dict.checksum(),
-        bpe="sentencepiece", bpe_model=as_tensor(data["bpe_model"]), tgt_bpe_model=as_tensor(data["tgt_bpe_model"]),
+        bpe=data.get("bpe", "sentencepiece"), bpe_model=as_tensor(data["bpe_model"]),
+        tgt_bpe_model=as_tensor(data["tgt_bpe_model"]), tokenizer=data.get("tokenizer", "none"),
+        lowercase=bool(data.get("lowercase", False)),
         decoder_start=data["decoder_start"] if data["decoder_start"] != tgt_dict.eos_word else "",
         language_tokens=languages)
     return {"format": checkpoint.FORMAT, "version": checkpoint.VERSION, "model_name": "transformer",
@@ -539,3 +614,83 @@ def check(path: str | os.PathLike, output_dir: str | os.PathLike, lines: list[st
         lp = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(hyp.tokens)[:, None])[:, 0]
         worst = max(worst, float((lp - torch.tensor(hyp.positional_scores)).abs().max()))
     return worst
+
+
+# --------------------------------------------------------------------------------------------- the hub
+
+
+def is_model_dir(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a Hugging Face model directory (it holds a config.json)."""
+    p = Path(path)
+    return p.is_dir() and (p / "config.json").is_file()
+
+
+def looks_like_hub_name(name: str) -> bool:
+    """``owner/model`` (a hub repository id), not a path on this machine: nothing of that name here, no directory
+    ``owner`` here, not a checkpoint's file name."""
+    import re
+
+    text = str(name)
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*", text):
+        return False
+    owner = text.split("/")[0]
+    return not (Path(text).exists() or Path(owner).exists()
+                or text.endswith((".pt", ".pth", ".bin", ".safetensors")))
+
+
+def hub_snapshot(name: str) -> Path:
+    """The local directory of the hub model ``name``: from the Hugging Face cache (``HF_HOME``/``HF_HUB_CACHE``),
+    downloaded first where a network is reachable and ``HF_HUB_OFFLINE`` is not set."""
+    try:
+        import huggingface_hub
+    except ImportError:
+        raise UserError(f"{name}: loading a hub model by name needs huggingface_hub: pip install 'attnmt[hf]' (or "
+                        f"give the local directory save_pretrained wrote)") from None
+    files = ["config.json", "*.json", "*.spm", "*.model", "model.safetensors", "pytorch_model.bin"]
+    try:
+        return Path(huggingface_hub.snapshot_download(name, allow_patterns=files, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not in the cache: try the network below
+        pass
+    try:
+        return Path(huggingface_hub.snapshot_download(name, allow_patterns=files))
+    except Exception as e:  # noqa: BLE001 - offline, unknown repository, no access: one line
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise UserError(f"{name}: not in the Hugging Face cache and not downloadable here ({first}); download it "
+                        f"where there is a network (huggingface-cli download {name}) or give its directory") \
+            from None
+
+
+def resolve(path: str | os.PathLike) -> str:
+    """The attnmt checkpoint to load for ``path``: ``path`` itself, unless it is a Hugging Face model directory or
+    hub name; those are imported once into attnmt's cache (``$ATTNMT_CACHE_DIR``, else ``~/.cache/attnmt``,
+    ``imported/``), keyed by the files they hold (their names, sizes and modification times), and the cached
+    checkpoint's path is returned."""
+    import hashlib
+
+    text = str(path)
+    if is_model_dir(text):
+        d = Path(text).resolve()
+    elif looks_like_hub_name(text):
+        d = hub_snapshot(text).resolve()
+    else:
+        return text
+    key = hashlib.sha256(str(d).encode())
+    for f in sorted(d.iterdir()):
+        if f.is_file():
+            st = f.stat()
+            key.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    base = os.environ.get("ATTNMT_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "attnmt")
+    out = Path(base) / "imported" / f"{d.name}-{key.hexdigest()[:16]}.pt"
+    if not out.is_file():
+        from attnmt import checkpoint
+
+        ckpt = import_model(d)
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            checkpoint.save(ckpt, out)
+        except OSError as e:
+            raise UserError(f"{out}: the imported model cannot be cached here ({e.strerror or e}); set "
+                            f"ATTNMT_CACHE_DIR to a writable directory, or run attnmt import-hf {text} -o FILE") \
+                from None
+    return str(out)
