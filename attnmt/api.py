@@ -80,7 +80,7 @@ class Translator:
         self._check_names(options, known_options(), "Translator")
         self.search_cfg, self.gen_cfg = generation_configs(_given(options))
         configure_process("generate", self.gen_cfg.device)
-        from attnmt.interop.huggingface import resolve
+        from attnmt.interop.hub import resolve
 
         self.bundle, self.generator = load_generator(resolve(path), self.search_cfg, self.gen_cfg)
         self.note = self.bundle.with_remove_bpe(remove_bpe)  # what --remove-bpe would print, if anything
@@ -97,7 +97,7 @@ class Translator:
         from the local Hugging Face cache, downloaded into it first where a network is reachable), a directory
         ``save_pretrained`` wrote, or an attnmt checkpoint; the options are ``Translator``'s (``src_lang`` and
         ``tgt_lang`` choose a multilingual model's pair). A Hugging Face model is imported once into attnmt's cache
-        (``attnmt.interop.huggingface.resolve``); ``Translator(path)`` takes the same names."""
+        (``attnmt.interop.hub.resolve``); ``Translator(path)`` takes the same names."""
         return cls(name_or_dir, **options)
 
     # ---------------------------------------------------------------------------------------------- properties
@@ -133,7 +133,8 @@ class Translator:
         sources, a list of those. ``details=True`` (or ``alignment=True``) returns :class:`Translation` objects
         instead: text, score, pieces, per-token log-probabilities, the ``nbest`` hypotheses and, with
         ``alignment=True``, the attention weights. ``search``: search options for this call (``beam``, ``nbest``,
-        ``lenpen``, ``sampling``, ...), on top of the ones given when loading.
+        ``lenpen``, ``sampling``, ...), on top of the ones given when loading; for a multilingual model,
+        ``src_lang`` and ``tgt_lang`` choose this call's language pair.
         """
         single = isinstance(sources, str)
         lines = _lines([sources] if single else sources, "sources")
@@ -142,7 +143,8 @@ class Translator:
 
     def translate_batch(self, lines: list[str], *, details: bool = False, alignment: bool = False, **search: Any):
         """``translate`` for a list of strings already checked."""
-        return self.translate_encoded(self.encode_batch(lines), details=details, alignment=alignment, **search)
+        return self.translate_encoded(self.encode_batch(lines, search.get("src_lang")), details=details,
+                                      alignment=alignment, **search)
 
     def translate_encoded(self, sources: list[list[int]], *, details: bool = False, alignment: bool = False,
                           **search: Any):
@@ -194,33 +196,40 @@ class Translator:
         """The source ids of a raw line (its final </s> included), as ``translate`` segments it."""
         return self.bundle.encode_source(line)
 
-    def encode_batch(self, lines: list[str]) -> list[list[int]]:
-        """``encode`` for a list of lines."""
-        return self.bundle.encode_sources(lines)
+    def encode_batch(self, lines: list[str], src_lang: str | None = None) -> list[list[int]]:
+        """``encode`` for a list of lines (``src_lang``: a multilingual model's source language for them)."""
+        return self.bundle.encode_sources(lines, src_lang)
 
     def max_source_tokens(self) -> int:
         """The longest source, in tokens with the final </s>, the model accepts."""
         return self.bundle.max_source_positions()
 
     def generator_for(self, search: dict[str, Any]):
-        """The generator of this call's search options (the loaded one when there are none)."""
-        if not search:
+        """The generator of this call's search options and target language (the loaded one when there are none)."""
+        search = dict(search)
+        search.pop("src_lang", None)  # the encoding's (encode_batch)
+        target = search.pop("tgt_lang", None)
+        if target == self.bundle.target_lang:
+            target = None
+        if not search and target is None:
             return self.generator
         from attnmt.generation.generator import Generator
         from attnmt.generation.options import search_config
 
         self._check_names(search, _search_names(), "translate")
+        symbols = self.bundle.symbols_for(target)
         given = {**_given({k: v for k, v in self._options.items() if k in _search_names()}), **_given(search)}
         cfg = search_config(given)
-        key = repr(cfg)
+        key = f"{cfg!r} -> {target}"
         with self._generators_lock:
             found = self._generators.get(key)
             if found is None:
                 if self.generator.pool is not None:
-                    raise UserError(f"search options per call ({', '.join(sorted(search))}) need workers=1: "
+                    what = ", ".join(sorted(search) + (["tgt_lang"] if target is not None else []))
+                    raise UserError(f"search options per call ({what}) need workers=1: "
                                     f"the {len(self.generator.pool)} decoding workers were started with the "
                                     f"Translator's own; give them when loading")
-                found = Generator(self.bundle.model, self.bundle.symbols, cfg, self.generator.backend,
+                found = Generator(self.bundle.model, symbols, cfg, self.generator.backend,
                                   max_source_positions=self.bundle.max_source_positions(),
                                   truncate_source=self.gen_cfg.truncate_source,
                                   target_text=self.bundle.target_text)

@@ -262,3 +262,36 @@ def atomic_torch_save(obj, path: str | os.PathLike) -> None:
         raise UserError(f"{path}: cannot write the checkpoint (the write failed: disk full? {free / 2**20:.0f} MB "
                         f"free once the partial file was removed); free some space or choose another directory") \
             from None
+
+
+def write_directory(output_dir: str | os.PathLike, force: bool, write) -> str:
+    """Make the directory ``output_dir`` whole or not at all: ``write(tmp)`` fills a new directory beside it, which
+    is then renamed into place; with ``force`` an existing ``output_dir`` is replaced, and goes only once the new
+    one is complete (a failure, a full disk, leaves the old state). Half-written directories of killed runs are
+    removed first."""
+    out = Path(output_dir)
+    if out.exists() and not force:
+        raise UserError(f"{out}: --output-dir already exists; use --force to replace it, or choose another")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out}: --output-dir is a file; choose a directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(out.parent, out.name)
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out.name), dir=out.parent))
+    os.chmod(tmp, 0o777 & ~umask())  # a model directory as mkdir would make it (mkdtemp's is private)
+    try:
+        try:
+            write(tmp)
+        except OSError as e:
+            if e.errno in WRITE_ERRNOS:
+                raise write_error(out, e, "--output-dir") from None
+            raise
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=temp_prefix(out.name), dir=out.parent))
+            os.replace(out, old / "old")
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)

@@ -80,13 +80,38 @@ class InferenceBundle:
         """A raw source line -> ids (final EOS included), segmented as the training data was."""
         return self._with_prefix(self.src_dict.encode_line(self.src_pipeline.encode(line)))
 
-    def encode_sources(self, lines: list[str]) -> list[list[int]]:
+    def encode_sources(self, lines: list[str], source: str | None = None) -> list[list[int]]:
+        """Raw source lines -> ids; ``source``: a multilingual model's source language for these lines (default:
+        the one chosen)."""
+        prefix = self.source_prefix
+        if source is not None and source != self.source_lang:
+            prefix = [self.src_dict.index(self.language_token(source, "src"))]
         pieces = self.src_pipeline.encode_batch(lines) if lines else []
-        return [self._with_prefix(self.src_dict.encode_line(p)) for p in pieces]
+        return [self._with_prefix(self.src_dict.encode_line(p), prefix) for p in pieces]
 
-    def _with_prefix(self, ids: list[int]) -> list[int]:
+    def _with_prefix(self, ids: list[int], prefix: list[int] | None = None) -> list[int]:
         # a blank line stays blank (its translation is empty): no language token before its EOS alone
-        return self.source_prefix + ids if self.source_prefix and len(ids) > 1 else ids
+        prefix = self.source_prefix if prefix is None else prefix
+        return prefix + ids if prefix and len(ids) > 1 else ids
+
+    def language_token(self, code: str, what: str = "tgt") -> str:
+        """The token of a multilingual model's language ``code`` (a UserError naming the choices otherwise)."""
+        tokens = (self.data.language_tokens if self.data is not None else None) or {}
+        if not tokens:
+            raise UserError(f"--{what}-lang {code}: {self.path.name} translates {self.source_lang}->"
+                            f"{self.target_lang} only")
+        if code not in tokens:
+            near = ", ".join(sorted(tokens)[:12]) + (", ..." if len(tokens) > 12 else "")
+            raise UserError(f"--{what}-lang {code}: not a language of {self.path.name} ({len(tokens)} languages: "
+                            f"{near})")
+        return tokens[code]
+
+    def symbols_for(self, target: str | None) -> Symbols:
+        """The search's symbols for the target language ``target`` (None: the one chosen)."""
+        if target is None or target == self.target_lang:
+            return self.symbols
+        forced = self.tgt_dict.index(self.language_token(target))
+        return Symbols.from_dictionary(self.tgt_dict, self.decoder_start, forced)
 
     def target_pieces(self, ids) -> str:
         """Target ids -> space-separated pieces (special symbols and the forced language token dropped)."""

@@ -43,7 +43,7 @@ def main() -> None:
 
     import torch
     import transformers
-    from hf_models import compare, m2m100_dir, marian_dir
+    from hf_models import compare, fsmt_dir, m2m100_dir, marian_dir
 
     from attnmt import checkpoint
     from attnmt.inference import load_for_inference
@@ -63,9 +63,18 @@ def main() -> None:
                                                                         train_steps=args.updates, pairs=pairs,
                                                                         pieces=2000, d_model=64),
         "M2M-100 (en->de)": lambda d: m2m100_dir(d, train_steps=args.updates, pairs=pairs, pieces=2000, d_model=64),
+        "FSMT (Moses + BPE codes)": lambda d: fsmt_dir(d, train_steps=args.updates, pairs=pairs, merges=2000,
+                                                       d_model=64),
     }
+    import json
+
     for i, (name, build) in enumerate(families.items()):
         d = out / f"family{i}"
+        done = d / "results.json"  # a family measured before (the runs take minutes each)
+        if done.is_file():
+            r = json.loads(done.read_text())
+            rows.append((name, r["src"], r["tgt"], r["n"], {int(k): tuple(v) for k, v in r["results"].items()}))
+            continue
         hf = d / "hf" if (d / "hf" / "config.json").is_file() else build(d)
         langs = ("en", "de") if "M2M" in name else None
         ckpt = d / "model.pt"
@@ -82,6 +91,7 @@ def main() -> None:
                        for t, ids in zip(tok_tgt, tgt_ids))
         _, results = compare(hf, ckpt, test, langs, max_new=60)
         rows.append((name, src_same, tgt_same, len(tok_src), results))
+        done.write_text(json.dumps({"src": src_same, "tgt": tgt_same, "n": len(tok_src), "results": results}))
 
     # an attnmt model out and back: trained briefly on the same pairs by attnmt itself
     rt = out / "roundtrip"
@@ -104,7 +114,7 @@ def main() -> None:
     _, results = compare(rt / "hf", rt / "ck" / "checkpoint_last.pt", test, None, max_new=60)
     from safetensors.torch import load_file
 
-    from attnmt.interop.huggingface import export_marian
+    from attnmt.interop.marian_export import export_marian
 
     export_marian(import_model(rt / "hf"), rt / "hf2", force=True)
     a, b = load_file(str(rt / "hf" / "model.safetensors")), load_file(str(rt / "hf2" / "model.safetensors"))

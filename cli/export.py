@@ -44,7 +44,7 @@ def command(path, target, output_dir, quantization, force, check_file):
 
         out = export_model(ckpt, output_dir, quantization, force)
     elif target == "huggingface":
-        from attnmt.interop.huggingface import check, export_marian
+        from attnmt.interop.marian_export import check, export_marian
 
         out = export_marian(ckpt, output_dir, force)
     else:

@@ -180,7 +180,7 @@ def command(data_bin, path, gen_subset, input_path, fmt, output, results_path, s
         check_output_file(output, "--output")  # before translating, not at the final rename
 
     configure_process("generate", gen_cfg.device)  # allocator settings for decoding (attnmt/backends)
-    from attnmt.interop.huggingface import resolve
+    from attnmt.interop.hub import resolve
 
     bundle, generator = load_generator(resolve(path), search_cfg, gen_cfg)
     note = bundle.with_remove_bpe(remove_bpe)

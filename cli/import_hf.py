@@ -1,4 +1,4 @@
-"""``attnmt import-hf DIR``: a Hugging Face translation model (MarianMT/OPUS-MT, M2M-100) as an attnmt checkpoint.
+"""``attnmt import-hf DIR``: a Hugging Face translation model (MarianMT/OPUS-MT, FSMT, M2M-100) as an attnmt checkpoint.
 
 The result translates (``translate``, ``generate``, ``interactive``, ``serve``, the Python API), exports
 (``export --to ctranslate2|huggingface``), quantizes and fine-tunes (``train --finetune-from``) like any attnmt

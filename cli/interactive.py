@@ -85,7 +85,7 @@ def command(data_dir, path, input_path, buffer_size, source_lang, target_lang, t
         fairseq_defaults(params)
     search_cfg, gen_cfg = configs(params)
     configure_process("generate", gen_cfg.device)
-    from attnmt.interop.huggingface import resolve
+    from attnmt.interop.hub import resolve
 
     bundle, generator = load_generator(resolve(path), search_cfg, gen_cfg)
     try:

@@ -107,7 +107,7 @@ def command(path, buffer_size, fmt, quiet, remove_bpe, **params):
     start = time.perf_counter()
     search_cfg, gen_cfg = configs(params)
     configure_process("generate", gen_cfg.device)  # allocator settings for decoding (attnmt/backends)
-    from attnmt.interop.huggingface import resolve
+    from attnmt.interop.hub import resolve
 
     bundle, generator = load_generator(resolve(path), search_cfg, gen_cfg)
     note = bundle.with_remove_bpe(remove_bpe)

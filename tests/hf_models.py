@@ -39,8 +39,13 @@ def fit(model, tokenizer, sources: list[str], targets: list[str], steps: int = 6
     for step in range(steps):
         i = (step * 32) % len(sources)
         batch = tokenizer(sources[i:i + 32], text_target=targets[i:i + 32], return_tensors="pt", padding=True)
-        batch["labels"][batch["labels"] == tokenizer.pad_token_id] = -100
-        loss = model(**batch).loss
+        labels = batch.pop("labels")
+        # the decoder's input, the targets shifted right behind the start token, given explicitly (FSMT would
+        # otherwise shift the source)
+        start = torch.full_like(labels[:, :1], model.config.decoder_start_token_id)
+        batch["decoder_input_ids"] = torch.cat([start, labels[:, :-1]], dim=1)
+        labels[labels == tokenizer.pad_token_id] = -100
+        loss = model(**batch, labels=labels).loss
         opt.zero_grad()
         loss.backward()
         opt.step()

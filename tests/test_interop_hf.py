@@ -100,7 +100,7 @@ def test_tokenizers_give_transformers_ids(marian_separate, m2m100, fsmt):
 def test_translate_cli_on_imported_models(marian, m2m100, tmp_path):
     src = tmp_path / "in.txt"
     src.write_text("\n".join(sentence_lines(5, 4)) + "\n\n", encoding="utf-8")
-    for ckpt, extra in ((marian[1], []), (m2m100[1], ["--tgt-lang", "fr"])):
+    for ckpt, extra in ((marian[1], []), (m2m100[1], ["--tgt-lang", "fr"]), (marian[1], ["--quantize", "int8"])):
         out = subprocess.run([sys.executable, "-m", "attnmt.cli", "translate", "--path", str(ckpt), "--quiet",
                               *extra], stdin=src.open(), capture_output=True, text=True, check=True).stdout
         lines = out.split("\n")
@@ -187,7 +187,7 @@ def test_export_to_huggingface_translates_identically_and_round_trips(tmp_path):
         assert worst < 1e-4
     back = import_model(tmp_path / "hf")
     checkpoint.save(back, tmp_path / "back.pt")
-    from attnmt.interop.huggingface import export_marian
+    from attnmt.interop.marian_export import export_marian
 
     export_marian(back, tmp_path / "hf2")
     a, b = load_file(str(tmp_path / "hf" / "model.safetensors")), load_file(str(tmp_path / "hf2" / "model.safetensors"))
@@ -205,7 +205,7 @@ def test_export_to_huggingface_translates_identically_and_round_trips(tmp_path):
 @pytest.mark.slow
 def test_export_to_huggingface_refuses_what_marian_cannot_hold(m2m100, tmp_path):
     with pytest.raises(UserError, match="cannot be written as a MarianMT model: it is pre-norm.*multilingual"):
-        from attnmt.interop.huggingface import export_marian
+        from attnmt.interop.marian_export import export_marian
 
         export_marian(checkpoint.load(m2m100[1]), tmp_path / "out")
     assert not (tmp_path / "out").exists()

@@ -11,15 +11,13 @@ package (``pip install 'attnmt[ctranslate2]'``).
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from attnmt.errors import UserError
-from attnmt.fileio import WRITE_ERRNOS, remove_stale_temps, temp_prefix, umask, write_error
+from attnmt.fileio import write_directory
 
 
 def _ctranslate2():
@@ -128,35 +126,13 @@ def export_model(ckpt: dict, output_dir: str | os.PathLike, quantization: str | 
         def _load(self):
             return build_spec(ckpt)
 
-    out = Path(output_dir)
-    if out.exists() and not force:
-        raise UserError(f"{out}: --output-dir already exists; use --force to replace it, or choose another")
-    if out.exists() and not out.is_dir():
-        raise UserError(f"{out}: --output-dir is a file; choose a directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(out.parent, out.name)  # the half-written directories of killed exports
-    # written whole beside the target, then renamed into place: a failure (a full disk) leaves the old state
-    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out.name), dir=out.parent))
-    os.chmod(tmp, 0o777 & ~umask())  # a model directory as mkdir would make it (mkdtemp's is private)
-    try:
+    def convert(tmp: Path) -> None:
         try:
             AttnmtConverter().convert(str(tmp), quantization=quantization, force=True)
         except RuntimeError as e:
-            raise UserError(f"{out}: the conversion failed ({e})") from None
-        except OSError as e:
-            if e.errno in WRITE_ERRNOS:
-                raise write_error(out, e, "--output-dir") from None
-            raise
-        if out.exists():  # --force: the old directory goes only once the new one is complete
-            old = Path(tempfile.mkdtemp(prefix=temp_prefix(out.name), dir=out.parent))
-            os.replace(out, old / "old")
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(out)
+            raise UserError(f"{output_dir}: the conversion failed ({e})") from None
+
+    return write_directory(output_dir, force, convert)
 
 
 def check(path: str | os.PathLike, output_dir: str | os.PathLike, lines: list[str]) -> float:

@@ -158,19 +158,23 @@ class Service:
             raise BadRequest(400, f"'{name}' must be true or false, got {type(value).__name__}")
         return value
 
-    async def translate(self, lines: list[str], nbest: int, alignment: bool) -> list[Translation]:
-        """The translations of ``lines``, through the batching queue."""
+    async def translate(self, lines: list[str], nbest: int, alignment: bool, source: str | None = None,
+                        target: str | None = None) -> list[Translation]:
+        """The translations of ``lines``, through the batching queue (``source``/``target``: a multilingual
+        model's language pair for them, checked by ``pair``)."""
         if self.stopping or self.batcher is None:
             raise BadRequest(503, "the service is shutting down; retry on another instance",
                              {"Retry-After": "5"})
         t = self.translator
-        sources = t.encode_batch(lines)
+        sources = t.encode_batch(lines, source)
         for i, ids in enumerate(sources):
             if len(ids) > self.max_tokens:
                 raise BadRequest(400, f"sentence {i + 1} has {len(ids)} tokens; at most {self.max_tokens} are "
                                       f"accepted: split it into shorter sentences")
         self.metrics.count_tokens(sum(len(s) for s in sources))
         search = {"nbest": nbest} if nbest != t.search_cfg.nbest else {}
+        if target is not None and target != t.target_lang:
+            search["tgt_lang"] = target
         try:
             t.generator_for(search)
         except UserError as e:
@@ -188,7 +192,7 @@ class Service:
                 return t.finish(ids, hyps, details=True, alignment=alignment, **search)
 
         loop = asyncio.get_running_loop()
-        job = Job(sources=sources, key=(nbest, alignment), run=run, future=loop.create_future(), loop=loop,
+        job = Job(sources=sources, key=(nbest, alignment, search.get("tgt_lang")), run=run, future=loop.create_future(), loop=loop,
                   stream=stream, finish=finish)
         try:
             self.batcher.submit(job)
@@ -219,8 +223,34 @@ class Service:
 
     def languages(self) -> list[dict]:
         t = self.translator
+        codes = t.bundle.languages
+        if codes:  # a multilingual model: every pair
+            return [{"code": c, "name": LANGUAGE_NAMES.get(c, c), "targets": [x for x in codes if x != c]}
+                    for c in codes]
         return [{"code": t.source_lang, "name": LANGUAGE_NAMES.get(t.source_lang, t.source_lang),
                  "targets": [t.target_lang]}]
+
+    def pair(self, source: Any, target: Any, auto: bool) -> tuple[str, str]:
+        """The (source, target) languages a request asks for, checked against what the model translates (a
+        multilingual model: any two of its languages; ``auto``: the source may be 'auto', the loaded one)."""
+        t = self.translator
+        codes = t.bundle.languages
+        if codes:
+            if not isinstance(source, str) or source not in codes and not (auto and source == "auto"):
+                raise BadRequest(400, f"source {source!r} is not one of this model's {len(codes)} languages "
+                                      f"({', '.join(codes[:12])}{', ...' if len(codes) > 12 else ''}; GET "
+                                      f"/languages lists them)")
+            if not isinstance(target, str) or target not in codes:
+                raise BadRequest(400, f"target {target!r} is not one of this model's {len(codes)} languages "
+                                      f"(GET /languages lists them)")
+            return (t.source_lang if source == "auto" else source), target
+        if not isinstance(source, str) or source not in ((("auto",) if auto else ()) + (t.source_lang,)):
+            raise BadRequest(400, f"source {source!r} is not served: this service translates {t.source_lang} to "
+                                  f"{t.target_lang} (source {t.source_lang!r}{' or ' + repr('auto') if auto else ''})")
+        if not isinstance(target, str) or target != t.target_lang:
+            raise BadRequest(400, f"target {target!r} is not served: this service translates {t.source_lang} to "
+                                  f"{t.target_lang}")
+        return t.source_lang, t.target_lang
 
 
 def make_batcher(cfg: ServeConfig, thread: bool = True) -> Batcher:
@@ -260,25 +290,20 @@ def create_app(translator: Translator, cfg: ServeConfig | None = None, batcher: 
         lines, single = svc.sentences(data.get("q"), "q")
         source = data.get("source", "auto") or "auto"
         target = data.get("target", t.target_lang) or t.target_lang
-        if not isinstance(source, str) or source not in ("auto", t.source_lang):
-            raise BadRequest(400, f"source {source!r} is not served: this service translates {t.source_lang} to "
-                                  f"{t.target_lang} (source {t.source_lang!r} or 'auto')")
-        if not isinstance(target, str) or target != t.target_lang:
-            raise BadRequest(400, f"target {target!r} is not served: this service translates {t.source_lang} to "
-                                  f"{t.target_lang}")
+        src_lang, tgt_lang = svc.pair(source, target, auto=True)
         fmt = data.get("format", "text") or "text"
         if fmt != "text":
             raise BadRequest(400, f"format {fmt!r} is not supported; send plain text with format 'text'")
         beam = t.search_cfg.beam
         alternatives = svc.integer(data, "alternatives", 0, 0, beam - 1)
-        results = await svc.translate(lines, alternatives + 1, False)
+        results = await svc.translate(lines, alternatives + 1, False, src_lang, tgt_lang)
         texts = [r.text for r in results]
         body: dict[str, Any] = {"translatedText": texts[0] if single else texts}
         if alternatives:
             alts = [[h.text for h in r.hypotheses[1:]] for r in results]
             body["alternatives"] = alts[0] if single else alts
         if source == "auto":
-            detected = {"confidence": 100.0, "language": t.source_lang}  # the model's one source language
+            detected = {"confidence": 100.0, "language": src_lang}  # the model's (loaded) source language
             body["detectedLanguage"] = detected if single else [detected] * len(lines)
         return JSONResponse(body), len(lines)
 
@@ -289,7 +314,9 @@ def create_app(translator: Translator, cfg: ServeConfig | None = None, batcher: 
         lines, _ = svc.sentences(data.get("text"), "text")
         nbest = svc.integer(data, "nbest", t.search_cfg.nbest, 1, t.search_cfg.beam)
         scores, alignment = svc.flag(data, "scores"), svc.flag(data, "alignment")
-        results = await svc.translate(lines, nbest, alignment)
+        src_lang, tgt_lang = svc.pair(data.get("source_lang", t.source_lang), data.get("target_lang", t.target_lang),
+                                      auto=False)
+        results = await svc.translate(lines, nbest, alignment, src_lang, tgt_lang)
         out = []
         for r in results:
             item: dict[str, Any] = {"text": r.text}
@@ -303,7 +330,7 @@ def create_app(translator: Translator, cfg: ServeConfig | None = None, batcher: 
                 item["alignment"] = {"source_tokens": a.source_tokens, "target_tokens": a.target_tokens,
                                      "weights": a.weights}
             out.append(item)
-        return JSONResponse({"source_lang": t.source_lang, "target_lang": t.target_lang, "translations": out}), \
+        return JSONResponse({"source_lang": src_lang, "target_lang": tgt_lang, "translations": out}), \
             len(lines)
 
     @answered
