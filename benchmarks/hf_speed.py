@@ -100,7 +100,8 @@ def main() -> None:
 
         ct2_dir = out / "ct2"
         if not ct2_dir.is_dir():
-            subprocess.run(["ct2-transformers-converter", "--model", str(hf), "--output_dir", str(ct2_dir)],
+            subprocess.run([sys.executable, "-m", "ctranslate2.converters.transformers", "--model", str(hf),
+                            "--output_dir", str(ct2_dir)],
                            check=True, capture_output=True)
         from transformers import MarianTokenizer
 

@@ -258,7 +258,8 @@ def step_log_probs(logits: Tensor, step: int | Tensor, max_len: Tensor, generate
     ``logits``: (R, V) for the token at position ``step`` (0-based count of tokens generated so far; or (R,), each
     row's, when the rows are at different steps: no n-gram blocking then);
     ``max_len``: (R,) per-row limits; ``generated``: (R, step) the tokens so far. Padding (and BOS) never appear,
-    ``--unkpen`` is subtracted from the unknown word, EOS is barred before ``--min-len`` and forced at ``max_len``.
+    ``--unkpen`` is subtracted from the unknown word, EOS is barred before ``--min-len`` and forced at ``max_len``;
+    a first token the model forces (``Symbols.forced``) is the only one at step 0.
     The result is float32, or with ``keep_bf16`` and bf16 logits, bf16: the softmax is computed in float32 either
     way, and rounding its result to bf16 (relative error 2^-9) halves the cost of this step, the costliest after
     the output projection, while the logits of a bf16 model carry larger errors already.
@@ -274,13 +275,6 @@ def step_log_probs(logits: Tensor, step: int | Tensor, max_len: Tensor, generate
         lprobs[:, sym.unk] -= cfg.unkpen
     if cfg.no_repeat_ngram_size:
         _block_ngram_repeats(lprobs, generated, cfg.no_repeat_ngram_size)
-    if sym.forced is not None:  # the first token is the forced one, at log-probability 0
-        first = step == 0 if isinstance(step, Tensor) else torch.tensor(step == 0, device=lprobs.device)
-        if bool(first.any()):
-            rows = first.expand(lprobs.size(0)).nonzero(as_tuple=True)[0]
-            lprobs[rows] = NEG_INF
-            lprobs[rows, sym.forced] = 0.0
-            return lprobs
     eos_lp = lprobs[:, sym.eos].clone()
     if isinstance(step, Tensor):
         lprobs[:, sym.eos].masked_fill_(step < cfg.min_len, NEG_INF)
@@ -291,6 +285,13 @@ def step_log_probs(logits: Tensor, step: int | Tensor, max_len: Tensor, generate
         rows = at_limit.nonzero(as_tuple=True)[0]
         lprobs[rows] = NEG_INF
         lprobs[rows, sym.eos] = eos_lp[rows]
+    if sym.forced is not None:  # the first token is the forced one, at log-probability 0
+        first = step == 0 if isinstance(step, Tensor) else torch.full((lprobs.size(0),), step == 0,
+                                                                           device=lprobs.device)
+        if bool(first.any()):
+            rows = first.nonzero(as_tuple=True)[0]
+            lprobs[rows] = NEG_INF
+            lprobs[rows, sym.forced] = 0.0
     return lprobs
 
 

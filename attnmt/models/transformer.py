@@ -24,7 +24,9 @@ In teacher forcing the decoder may hold its states as the (N, D) rows of the N r
 (B, T, D): the position-wise layers take either, and attention takes the packed rows' ``PackedRows``
 (``models/packing.py``) to lay its heads out on the (B, T) grid.
 Residual blocks are post-norm as in the paper, ``LayerNorm(x + Dropout(Sublayer(x)))``; pre-norm
-(``x + Dropout(Sublayer(LayerNorm(x)))`` plus a final LayerNorm per stack) is an option.
+(``x + Dropout(Sublayer(LayerNorm(x)))`` plus a final LayerNorm per stack) is an option. So are what imported
+models differ in (``interop/huggingface.py``), their defaults the paper's: the sinusoids' layout
+(``sinusoid_style``) and the feed-forward activation (``activation_fn``).
 """
 
 from __future__ import annotations

@@ -386,3 +386,19 @@ def test_token_bias_is_the_rules_that_apply_to_every_row(options, step):
     expected = step_log_probs(logits, step, max_len, generated, cfg, SYM)
     got = torch.log_softmax(logits, dim=-1) + token_bias(40, step, cfg, SYM, logits.device)
     assert torch.equal(got, expected)
+
+
+def test_a_forced_first_token_is_the_only_one_at_step_0_and_leaves_later_rows_alone():
+    """M2M-100's target language token: rows at step 0 may write only it, at log-probability 0; rows at other
+    steps (continuous batching mixes them) keep the usual rules."""
+    from attnmt.generation.search import step_log_probs
+
+    sym = Symbols(eos=2, pad=1, unk=3, bos=0, forced=7)
+    logits = torch.randn(2, 12)
+    lp = step_log_probs(logits, torch.tensor([0, 3]), torch.tensor([10, 10]), None, SearchConfig(), sym)
+    assert lp[0, 7] == 0 and torch.isinf(lp[0, torch.arange(12) != 7]).all()
+    want = torch.log_softmax(logits[1], -1)
+    want[[0, 1]] = float("-inf")
+    assert torch.equal(lp[1], want)
+    lp = step_log_probs(logits, 0, torch.tensor([10, 10]), None, SearchConfig(), sym)
+    assert (lp[:, 7] == 0).all()
