@@ -121,13 +121,15 @@ def main() -> None:
     same = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     rows.append(("attnmt transformer_small (2+2) exported as MarianMT", None, None, None, results))
 
-    print(f"{'model':<52} {'tokenizer src / tgt':>20} {'greedy ids':>11} {'greedy max |dlp|':>17} "
-          f"{'beam 4 ids':>11} {'beam 4 max |dlp|':>17}")
+    print(f"{len(test)} test_2016_flickr sentences, at most 60 tokens + </s>; 'limit': of the differing ones, those "
+          f"that ran to the length limit")
+    print(f"{'model':<52} {'tokenizer src / tgt':>20} {'greedy ids':>11} {'limit':>5} {'max |dlp|':>9} "
+          f"{'beam 4 ids':>11} {'limit':>5} {'max |dlp|':>9}")
     for name, s, t, n, res in rows:
         tok = f"{s}/{n} / {t}/{n}" if s is not None else "-"
         g, b4 = res[1], res[4]
-        print(f"{name:<52} {tok:>20} {g[0]:>7}/{len(test):<3} {g[1]:>17.2e} {b4[0]:>7}/{len(test):<3} "
-              f"{b4[1]:>17.2e}")
+        print(f"{name:<52} {tok:>20} {g[0]:>7}/{len(test):<3} {g[2]:>5} {g[1]:>9.2e} {b4[0]:>7}/{len(test):<3} "
+              f"{b4[2]:>5} {b4[1]:>9.2e}")
     print(f"export -> import -> export: identical tensors: {same}")
 
 

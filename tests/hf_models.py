@@ -140,9 +140,11 @@ def incremental_log_probs(model, source: list[int], tokens: list[int]) -> torch.
 
 
 def compare(hf_dir, ckpt, lines, langs=None, max_new: int = 40):
-    """(tokenizer ids identical, {beam: (identical hypotheses, max |log-prob difference|)}): ``lines`` tokenized
+    """(tokenizer ids identical, {beam: (identical hypotheses, max |log-prob difference|, of the others those that
+    ran to the length limit)}): ``lines`` tokenized
     by both, translated by transformers' ``generate`` and attnmt's search under the same rules (no length
-    penalty, no minimum length, the stop of ``early_stopping=True``), greedy and beam 4."""
+    penalty, no minimum length, the stop of ``early_stopping=True``, the end of sentence forced at the length
+    limit), greedy and beam 4."""
     import transformers
 
     from attnmt.generation.beam import BeamSearchConfig
@@ -164,17 +166,20 @@ def compare(hf_dir, ckpt, lines, langs=None, max_new: int = 40):
     for beam in (1, 4):
         cfg = SearchConfig(beam=beam, lenpen=0.0, min_len=0, max_len_a=0, max_len_b=max_new,
                            options=BeamSearchConfig(early_stop="beam"))
-        same, worst = 0, 0.0
+        same, worst, at_limit = 0, 0.0, 0
         for src, hf_src in zip(ours, theirs):
             hyp = search(bundle.model, torch.tensor([src]), torch.tensor([len(src)]), cfg, bundle.symbols)[0][0]
             with torch.no_grad():
                 out = model.generate(torch.tensor([hf_src]), num_beams=beam, do_sample=False, length_penalty=0.0,
-                                     early_stopping=True, max_new_tokens=max_new + 1, **extra)[0].tolist()
+                                     early_stopping=True, max_new_tokens=max_new + 1,
+                                     forced_eos_token_id=model.config.eos_token_id, **extra)[0].tolist()
             lp = incremental_log_probs(model, hf_src, hyp.tokens)
             skip = 1 if bundle.forced_first is not None else 0  # the forced token: 0 in both searches
             worst = max(worst, float((lp[skip:] - torch.tensor(hyp.positional_scores[skip:])).abs().max()))
             same += out[1:] == hyp.tokens
-        results[beam] = (same, worst)
+            # a sentence that runs to the limit: transformers scores the forced EOS 0, attnmt by its probability
+            at_limit += out[1:] != hyp.tokens and max(len(out) - 1, len(hyp.tokens)) > max_new
+        results[beam] = (same, worst, at_limit)
     return same_ids, results
 
 

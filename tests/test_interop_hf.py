@@ -1,11 +1,11 @@
-"""Hugging Face models in (``attnmt import-hf``): small MarianMT and M2M-100 models built with ``transformers``
-from a config, trained for a few updates, saved with ``save_pretrained``, imported, and compared output for output
-with ``transformers``' tokenizers and ``generate``.
+"""Hugging Face models in (``attnmt import-hf``) and out (``export --to huggingface``): small MarianMT, M2M-100 and
+FSMT models built with ``transformers`` from a config, trained for a few updates, saved with ``save_pretrained``,
+imported, and compared output for output with ``transformers``' tokenizers and ``generate``.
 
-The searches agree where both are defined alike: no length penalty (``lenpen 0`` / ``length_penalty=0``), no
-minimum length (``--min-len 0``: transformers lets EOS come first) and
-the stop of fairseq and transformers' ``early_stopping=True`` (``--early-stop beam``): a sentence ends once
-``beam`` hypotheses ending in EOS ranked among the ``beam`` best extensions of a step; greedy is beam 1.
+The searches agree where both are defined alike (``hf_models.compare``): no length penalty (``lenpen 0`` /
+``length_penalty=0``), no minimum length (``--min-len 0``: transformers lets EOS come first), the stop of fairseq
+and transformers' ``early_stopping=True`` (``--early-stop beam``: a sentence ends once ``beam`` hypotheses ending
+in EOS ranked among the ``beam`` best extensions of a step; greedy is beam 1) and EOS forced at the length limit.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def test_imported_model_translates_as_transformers_does(which, request):
     lines = sentence_lines(40, 3)
     same_ids, results = compare(hf, ckpt, lines, ("en", "de") if which == "m2m100" else None)
     assert same_ids == len(lines)
-    for beam, (same, worst) in results.items():
+    for beam, (same, worst, _) in results.items():
         assert same == len(lines), f"beam {beam}: {same}/{len(lines)} identical"
         assert worst < 1e-4
 
@@ -182,7 +182,7 @@ def test_export_to_huggingface_translates_identically_and_round_trips(tmp_path):
     lines = sentence_lines(30, 5)
     same_ids, results = compare(tmp_path / "hf", tmp_path / "model.pt", lines)
     assert same_ids == len(lines)
-    for beam, (same, worst) in results.items():
+    for beam, (same, worst, _) in results.items():
         assert same == len(lines), f"beam {beam}: {same}/{len(lines)}"
         assert worst < 1e-4
     back = import_model(tmp_path / "hf")
