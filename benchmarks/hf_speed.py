@@ -1,7 +1,8 @@
 """Translation speed of an OPUS-MT-shaped MarianMT model: attnmt (fp32, int8) against transformers' ``generate``
 and CTranslate2 (float32, int8), on the same model, sentences, beam and batches.
 
-    python benchmarks/hf_speed.py --sentences /work/shared/data/multi30k/test_2016_flickr.en.gz --out /tmp/hf-speed
+    python benchmarks/hf_speed.py --sentences ../shared/data/multi30k/test_2016_flickr.en.gz \
+        --text ../shared/data/multi30k/train.en.gz --out /tmp/hf-speed
 
 The model is built locally with transformers from a config shaped like Helsinki-NLP/opus-mt-en-de (d 512, 6+6
 layers, ffn 2048, 8 heads, a 58,101-symbol shared vocabulary, swish, embeddings scaled by sqrt(d)) with random
@@ -55,6 +56,7 @@ def timed(fn, repeats: int) -> tuple[float, object]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sentences", required=True, help="source sentences (text or .gz), one per line")
+    ap.add_argument("--text", help="text to learn the SentencePiece model on [default: --sentences]")
     ap.add_argument("--out", required=True, help="working directory (the models are built there once)")
     ap.add_argument("-n", type=int, default=96, help="sentences translated")
     ap.add_argument("--beam", type=int, default=4)
@@ -69,7 +71,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     out = Path(args.out)
-    hf = build_model(out, args.sentences)
+    hf = build_model(out, args.text or args.sentences)
     ckpt = out / "attnmt.pt"
     if not ckpt.is_file():
         subprocess.run([sys.executable, "-m", "attnmt.cli", "import-hf", str(hf), "-o", str(ckpt)], check=True)

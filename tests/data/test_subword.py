@@ -39,7 +39,7 @@ def test_registered():
     assert get("bpe", "none").obj is NoBPE
     assert get("tokenizer", "moses").obj is MosesTokenizer
     assert get("tokenizer", "none").obj is NoTokenizer
-    with pytest.raises(UserError, match="valid choices: moses, none"):
+    with pytest.raises(UserError, match="valid choices: moses, moses_wmt19, none"):
         build_tokenizer("nltk", "en")
 
 
@@ -106,3 +106,17 @@ def test_text_pipeline(train_file, tmp_path):
     assert p.encode_batch([line, ""]) == [pieces, ""]
     lower = TextPipeline(NoTokenizer(), NoBPE(), lowercase=True)
     assert lower.encode(" The DOG ") == "the dog"
+
+
+def test_fastbpe_applies_merges_by_rank_with_an_end_of_word_marker():
+    """The subwords of fairseq's WMT'19 models (FSMT's merges.txt): merges apply best rank first, ``</w>`` marks a
+    word's last piece, and decoding joins the pieces back into the words."""
+    from attnmt.data.subword import FastBPE
+
+    bpe = FastBPE(b"l o 5\nlo w</w> 4\ne r</w> 3\nlo w 2\n")
+    assert bpe.encode("low lower lowest") == "low</w> low er</w> low e s t</w>"
+    assert bpe.decode(bpe.encode("low lower lowest")) == "low lower lowest"
+    with pytest.raises(UserError, match=r"merges.txt:2: expected 'first second \[count\]'"):
+        FastBPE(b"a b\nc\n", "merges.txt")
+    with pytest.raises(UserError, match="--bpe fastbpe applies the merges of an imported model"):
+        FastBPE.train([], 10, "x")
