@@ -43,7 +43,7 @@ def main() -> None:
 
     import torch
     import transformers
-    from hf_models import compare, fsmt_dir, m2m100_dir, marian_dir
+    from hf_models import compare, fsmt_dir, m2m100_dir, marian_dir, nllb_dir
 
     from attnmt import checkpoint
     from attnmt.inference import load_for_inference
@@ -65,7 +65,10 @@ def main() -> None:
         "M2M-100 (en->de)": lambda d: m2m100_dir(d, train_steps=args.updates, pairs=pairs, pieces=2000, d_model=64),
         "FSMT (Moses + BPE codes)": lambda d: fsmt_dir(d, train_steps=args.updates, pairs=pairs, merges=2000,
                                                        d_model=64),
+        "NLLB-200 (tokenizer.json, eng_Latn->deu_Latn)": lambda d: nllb_dir(d, train_steps=args.updates, pairs=pairs,
+                                                                             pieces=2000, d_model=64),
     }
+    languages = {"M2M-100 (en->de)": ("en", "de"), "NLLB-200 (tokenizer.json, eng_Latn->deu_Latn)": ("eng_Latn", "deu_Latn")}
     import json
 
     for i, (name, build) in enumerate(families.items()):
@@ -76,7 +79,7 @@ def main() -> None:
             rows.append((name, r["src"], r["tgt"], r["n"], {int(k): tuple(v) for k, v in r["results"].items()}))
             continue
         hf = d / "hf" if (d / "hf" / "config.json").is_file() else build(d)
-        langs = ("en", "de") if "M2M" in name else None
+        langs = languages.get(name)
         ckpt = d / "model.pt"
         checkpoint.save(import_model(hf, *(langs or (None, None))), ckpt)
         tok = transformers.AutoTokenizer.from_pretrained(str(hf))

@@ -11,11 +11,13 @@ import torch
 from helpers import sentence_lines
 
 
-def train_spm(lines: list[str], prefix: Path, vocab_size: int) -> Path:
+def train_spm(lines: list[str], prefix: Path, vocab_size: int, controls: bool = False) -> Path:
+    """A SentencePiece BPE model; ``controls``: with ``<s>`` and ``</s>`` as pieces 1 and 2 (NLLB's layout)."""
     import sentencepiece as spm
 
+    ids = {"bos_id": 1, "eos_id": 2} if controls else {"bos_id": -1, "eos_id": -1}
     spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_prefix=str(prefix), vocab_size=vocab_size,
-                                   model_type="bpe", unk_id=0, bos_id=-1, eos_id=-1, pad_id=-1, minloglevel=2)
+                                   model_type="bpe", unk_id=0, pad_id=-1, minloglevel=2, **ids)
     return prefix.with_suffix(".model")
 
 
@@ -124,6 +126,39 @@ def m2m100_dir(root: Path, train_steps: int = 60, pairs: tuple[list[str], list[s
     return out
 
 
+def nllb_dir(root: Path, train_steps: int = 60, pairs: tuple[list[str], list[str]] | None = None,
+             pieces: int = 120, d_model: int = 32) -> Path:
+    """An NLLB-200 directory: an M2M-100 model with ``NllbTokenizer`` (``tokenizer.json``: fairseq's four special
+    symbols, the SentencePiece pieces, the 202 language codes, ``<mask>``) and ``sentencepiece.bpe.model`` beside
+    it, as the hub's NLLB directories hold it."""
+    import shutil
+
+    from transformers import M2M100Config, M2M100ForConditionalGeneration, NllbTokenizer
+    from transformers.models.nllb.tokenization_nllb import FAIRSEQ_LANGUAGE_CODES
+
+    root.mkdir(parents=True, exist_ok=True)
+    src_lines, tgt_lines = pairs or toy_pairs()
+    spm = train_spm(src_lines + tgt_lines, root / "spm", pieces, controls=True)
+    (root / "tok").mkdir(exist_ok=True)
+    shutil.copy(spm, root / "tok" / "sentencepiece.bpe.model")
+    tok = NllbTokenizer.from_pretrained(str(root / "tok"), src_lang="eng_Latn", tgt_lang="deu_Latn",
+                                        extra_special_tokens=list(FAIRSEQ_LANGUAGE_CODES))
+    config = M2M100Config(vocab_size=len(tok) + 2, d_model=d_model, encoder_layers=2, decoder_layers=2,
+                          encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=2 * d_model,
+                          decoder_ffn_dim=2 * d_model, max_position_embeddings=256, dropout=0.0,
+                          scale_embedding=True,
+                          pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
+    torch.manual_seed(0)
+    model = M2M100ForConditionalGeneration(config)
+    if train_steps:
+        fit(model, tok, src_lines, tgt_lines, train_steps)
+    out = root / "hf"
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    shutil.copy(spm, out / "sentencepiece.bpe.model")
+    return out
+
+
 def incremental_log_probs(model, source: list[int], tokens: list[int]) -> torch.Tensor:
     """transformers' log-probability of each of ``tokens`` (the end of sentence included) given the ones before,
     decoded one token at a time with its cache, as ``generate`` decodes (FSMT's teacher-forced pass over a whole
@@ -158,7 +193,7 @@ def compare(hf_dir, ckpt, lines, langs=None, max_new: int = 40):
     if langs:
         tok.src_lang = langs[0]
         bundle.set_languages(*langs)
-        extra = {"forced_bos_token_id": tok.get_lang_id(langs[1])}
+        extra = {"forced_bos_token_id": tok.convert_tokens_to_ids(bundle.language_token(langs[1]))}
     ours = bundle.encode_sources(lines)
     theirs = [tok(line)["input_ids"] for line in lines]
     same_ids = sum(a == b for a, b in zip(ours, theirs))

@@ -9,9 +9,10 @@ read with ``weights_only``; the tokenizer's files) becomes an attnmt checkpoint 
 * ``fsmt`` (fairseq's WMT'19 models): fairseq's transformer, post-norm, fairseq's sinusoids, separate
   vocabularies (``vocab-src.json``, ``vocab-tgt.json``), Moses (``moses_wmt19``) and BPE codes with an end-of-word
   marker (``merges.txt``, ``fastbpe``).
-* ``m2m_100`` (M2M-100): pre-norm with a final LayerNorm per stack, fairseq's sinusoids numbered from 2, the
-  source starting with its language's token and the target's language token forced as the first one generated,
-  ``vocab.json`` with ``sentencepiece.bpe.model``.
+* ``m2m_100`` (M2M-100 and NLLB-200): pre-norm with a final LayerNorm per stack, fairseq's sinusoids numbered from
+  2, the source starting with its language's token and the target's language token forced as the first one
+  generated, ``sentencepiece.bpe.model`` with ``vocab.json`` (``M2M100Tokenizer``) or ``tokenizer.json``
+  (``NllbTokenizer``).
 
 The layers are fairseq's under ``model.`` (``interop/fairseq.py`` maps them); the vocabularies keep their ids
 (``Dictionary.from_vocabulary``), so the ids attnmt reads and writes are the ones ``transformers`` does.
@@ -59,7 +60,7 @@ def read_config(model_dir: str | os.PathLike) -> dict:
     kind = str(cfg.get("model_type") or "")
     if kind not in SUPPORTED:
         raise UserError(f"{d / 'config.json'}: a '{kind or 'unnamed'}' model; attnmt imports the encoder-decoder "
-                        f"translation models of type {', '.join(SUPPORTED)} (MarianMT/OPUS-MT, M2M-100, FSMT)")
+                        f"translation models of type {', '.join(SUPPORTED)} (MarianMT/OPUS-MT, M2M-100 and NLLB-200, FSMT)")
     return cfg
 
 
@@ -267,8 +268,62 @@ M2M100_LANGUAGES = (
 WMT21_LANGUAGES = "en ha is ja cs ru zh de".split()
 
 
+def _m2m100_symbols(d: Path, tok_cfg: dict) -> tuple[list[str], dict[str, str], Path]:
+    """(the symbols by id, {language code: its token}, the file they came from) of an M2M-100 model's tokenizer:
+    ``M2M100Tokenizer``'s ``vocab.json`` followed by its fixed list of language tokens, or a ``tokenizer.json``
+    (NLLB-200's ``NllbTokenizer``: fairseq's four special symbols, the SentencePiece pieces, then the language codes
+    and ``<mask>`` as added special tokens)."""
+    if (d / "vocab.json").is_file():
+        path = d / "vocab.json"
+        vocab = _json(path, "the vocabulary")
+        syms = [None] * len(vocab)
+        for sym, i in vocab.items():
+            if not isinstance(i, int) or not 0 <= i < len(vocab) or syms[i] is not None:
+                raise UserError(f"{path}: {sym!r} has id {i!r}; ids must be 0..{len(vocab) - 1}, once each")
+            syms[i] = sym
+        codes = M2M100_LANGUAGES if str(tok_cfg.get("language_codes") or "m2m100") == "m2m100" else WMT21_LANGUAGES
+        languages = {c: f"__{c}__" for c in codes}
+        return syms + [languages[c] for c in codes], languages, path
+    path = d / "tokenizer.json"
+    if not path.is_file():
+        raise UserError(f"{d}: neither vocab.json (M2M100Tokenizer) nor tokenizer.json (NllbTokenizer); give the "
+                        f"tokenizer files saved with this model")
+    if tok_cfg.get("legacy_behaviour"):
+        raise UserError(f"{d / 'tokenizer_config.json'}: legacy_behaviour puts the language token after </s>; "
+                        f"attnmt reads NLLB's default layout (the language token first): save the tokenizer with "
+                        f"legacy_behaviour=False")
+    spec = _json(path, "the tokenizer")
+    model = spec.get("model") if isinstance(spec.get("model"), dict) else {}
+    added = spec.get("added_tokens") if isinstance(spec.get("added_tokens"), list) else []
+    if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
+        raise UserError(f"{path}: a {model.get('type')!r} tokenizer; attnmt reads the BPE tokenizer.json of "
+                        f"NLLB-200 (NllbTokenizer)")
+    table = dict(model["vocab"])
+    for token in added:
+        if not isinstance(token, dict) or not isinstance(token.get("content"), str):
+            raise UserError(f"{path}: an added token that is not {{\"id\": ..., \"content\": ...}}")
+        table[token["content"]] = token.get("id")
+    syms = [None] * len(table)
+    for sym, i in table.items():
+        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < len(table) or syms[i] is not None:
+            raise UserError(f"{path}: {sym!r} has id {i!r}; ids must be 0..{len(table) - 1}, once each")
+        syms[i] = sym
+    specials = {str(tok_cfg.get(k) or default) for k, default in
+                (("bos_token", "<s>"), ("pad_token", "<pad>"), ("eos_token", "</s>"), ("unk_token", "<unk>"),
+                 ("mask_token", "<mask>"))}
+    languages = {}
+    for token in added:
+        sym = token["content"]
+        if token.get("special") and sym not in specials:
+            languages[sym[2:-2] if sym.startswith("__") and sym.endswith("__") else sym] = sym
+    if not languages:
+        raise UserError(f"{path}: no language tokens among the added tokens; give the tokenizer files saved "
+                        f"with this model")
+    return syms, languages, path
+
+
 def _m2m100(d: Path, cfg: dict, state: dict) -> tuple[dict, dict, dict]:
-    """(model config fields, attnmt weights, data section fields) of an M2M-100 directory."""
+    """(model config fields, attnmt weights, data section fields) of an M2M-100 or NLLB-200 directory."""
     from attnmt.data.dictionary import Dictionary
 
     fields = _common_fields(cfg, d / "config.json")
@@ -276,29 +331,21 @@ def _m2m100(d: Path, cfg: dict, state: dict) -> tuple[dict, dict, dict]:
     v = int(cfg["vocab_size"])
     tok_cfg = _json(d / "tokenizer_config.json", "the tokenizer files") if (d / "tokenizer_config.json").is_file() \
         else {}
-    vocab = _json(d / "vocab.json", "the vocabulary")
-    syms = [None] * len(vocab)
-    for sym, i in vocab.items():
-        if not isinstance(i, int) or not 0 <= i < len(vocab) or syms[i] is not None:
-            raise UserError(f"{d / 'vocab.json'}: {sym!r} has id {i!r}; ids must be 0..{len(vocab) - 1}, once each")
-        syms[i] = sym
-    codes = M2M100_LANGUAGES if str(tok_cfg.get("language_codes") or "m2m100") == "m2m100" else WMT21_LANGUAGES
-    languages = {c: f"__{c}__" for c in codes}
-    syms += [languages[c] for c in codes]
+    syms, languages, vocab_path = _m2m100_symbols(d, tok_cfg)
     syms += [f"madeupword{i:04d}" for i in range(v - len(syms))]  # fairseq's padding of the vocabulary
     if len(syms) != v:
-        raise UserError(f"{d}: vocab.json and the language tokens make {len(syms)} symbols, but config.json says "
-                        f"{v}; give the tokenizer files saved with this model")
+        raise UserError(f"{d}: {vocab_path.name} and the language tokens make {len(syms)} symbols, but config.json "
+                        f"says {v}; give the tokenizer files saved with this model")
     try:
         vocabulary = Dictionary.from_vocabulary(syms, pad=str(tok_cfg.get("pad_token") or "<pad>"),
                                                 eos=str(tok_cfg.get("eos_token") or "</s>"),
                                                 unk=str(tok_cfg.get("unk_token") or "<unk>"),
                                                 bos=str(tok_cfg.get("bos_token") or "<s>"))
     except UserError as e:
-        raise UserError(f"{d / 'vocab.json'}: {e}") from None
+        raise UserError(f"{vocab_path}: {e}") from None
     if vocabulary.pad() != int(cfg["pad_token_id"]) or vocabulary.eos() != int(cfg["eos_token_id"]):
         raise UserError(f"{d / 'config.json'}: pad_token_id / eos_token_id are not the ids of <pad> / </s> in "
-                        f"vocab.json; give the tokenizer files saved with this model")
+                        f"{vocab_path.name}; give the tokenizer files saved with this model")
     d_model = fields["encoder_embed_dim"]
     path = d / "model.safetensors"
     weights = _layers(state, fields, path)
@@ -317,7 +364,8 @@ def _m2m100(d: Path, cfg: dict, state: dict) -> tuple[dict, dict, dict]:
     spm = _spm_bytes(d / "sentencepiece.bpe.model", "")
     data = {"src_dict": vocabulary, "tgt_dict": vocabulary, "joint": True, "bpe_model": spm, "tgt_bpe_model": None,
             "decoder_start": vocabulary[int(cfg.get("decoder_start_token_id", vocabulary.eos()))],
-            "source_lang": tok_cfg.get("src_lang") or "en", "target_lang": tok_cfg.get("tgt_lang"),
+            "source_lang": tok_cfg.get("src_lang") or next((c for c in ("en", "eng_Latn") if c in languages), None),
+            "target_lang": tok_cfg.get("tgt_lang"),
             "language_tokens": languages}
     return fields, weights, data
 
