@@ -147,8 +147,9 @@ class Translator:
                                       alignment=alignment, **search)
 
     def translate_encoded(self, sources: list[list[int]], *, details: bool = False, alignment: bool = False,
-                          **search: Any):
-        """``translate`` for sentences already encoded (``encode``): what the service calls per batch."""
+                          cancelled=None, **search: Any):
+        """``translate`` for sentences already encoded (``encode``): what the service calls per batch.
+        ``cancelled()``: asked between search batches; True stops there (the sentences not searched get None)."""
         generator = self.generator_for(search)
         limit = self.max_source_tokens()
         if not self.gen_cfg.truncate_source:
@@ -163,6 +164,8 @@ class Translator:
             for i, hyps in generator.generate(sources, self.gen_cfg.max_tokens, self.gen_cfg.batch_size,
                                               first_id=first, where="input"):
                 out[i] = self._result(sources[i], hyps, generator.search_cfg, details or alignment, alignment)
+                if cancelled is not None and cancelled():
+                    break
         return out
 
     def continuous_unsupported(self, **search: Any) -> str | None:
@@ -203,6 +206,17 @@ class Translator:
     def max_source_tokens(self) -> int:
         """The longest source, in tokens with the final </s>, the model accepts."""
         return self.bundle.max_source_positions()
+
+    def max_target_tokens(self, source_tokens: int) -> int:
+        """The most tokens the search may write for a source of ``source_tokens`` (``--max-len-a/b`` within the
+        model's positions), the final </s> not counted."""
+        import math
+
+        from attnmt.generation.search import max_target_positions
+
+        cfg = self.search_cfg
+        bound = max(1, math.floor(source_tokens * cfg.max_len_a + cfg.max_len_b))
+        return min(bound, max(1, max_target_positions(self.bundle.model) - 1))
 
     def generator_for(self, search: dict[str, Any]):
         """The generator of this call's search options and target language (the loaded one when there are none)."""

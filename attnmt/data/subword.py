@@ -330,11 +330,15 @@ class SubwordNmtBPE(SubwordModel):
     def from_bytes(cls, data: bytes, what: str = "subword-nmt codes") -> SubwordNmtBPE:
         return cls(data)
 
+    CACHE = 100_000  # words subword-nmt remembers (its own cache grows with every new word: emptied at this size)
+
     def encode(self, text: str) -> str:
+        if len(self._bpe.cache) > self.CACHE:
+            self._bpe.cache.clear()
         return self._bpe.segment(text.strip())
 
     def encode_batch(self, lines: list[str], num_threads: int = -1) -> list[str]:
-        return [self._bpe.segment(line.strip()) for line in lines]
+        return [self.encode(line) for line in lines]
 
     def decode(self, pieces: str) -> str:
         return remove_bpe(" ".join(pieces.split()), "@@ ")

@@ -153,6 +153,16 @@ class ContinuousSearch:
         self.finished.hyps.extend([] for _ in range(n))
         g.stats.seconds += time.perf_counter() - t0
 
+    def drop(self, keys: Sequence[Hashable]) -> None:
+        """Let the sentences of ``keys`` (whose caller has gone) end at the next step: their length limit becomes
+        the tokens they have, so that step returns them cut short (the caller discards them)."""
+        gone = set(keys)
+        self.blank = [(k, h) for k, h in self.blank if k not in gone]
+        rows = [i for i, k in enumerate(self.keys) if k in gone]
+        if rows:
+            at = torch.tensor(rows, device=self.device)
+            self.max_len[at] = self.steps[at]
+
     # ------------------------------------------------------------------------------------------ step
 
     def step(self) -> list[tuple[Hashable, list[Hypothesis]]]:

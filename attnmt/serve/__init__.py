@@ -42,31 +42,58 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def network_warnings(cfg) -> list[str]:
+    """What an operator should know about serving on every interface (docs/serving.md, "On a network")."""
+    from attnmt.serve.access import is_loopback
+
+    try:
+        local = is_loopback(socket.gethostbyname(cfg.host))
+    except OSError:
+        local = False
+    if local:
+        return []
+    out = []
+    if not cfg.api_keys:
+        out.append(f"listening on {cfg.host} without --api-keys: anyone who can reach this port may translate")
+    if not cfg.allowed_hosts.strip() and cfg.host in ("0.0.0.0", "::", ""):
+        out.append("any Host header is accepted; name the service's host names with --allowed-hosts")
+    return out
+
+
 def serve(translator, cfg, announce: Callable[[str], None] = print) -> dict:
     """Serve ``translator`` with ``cfg`` (``ServeConfig``) until SIGTERM/SIGINT; what the service counted.
 
     The HTTP server runs on a thread of its own and the decoding loop on the calling (main) thread, which also
     takes the signals: the first SIGTERM or Ctrl-C stops accepting connections, lets the requests in flight finish
-    (at most ``graceful_timeout`` seconds), then the queued work, and returns; a second Ctrl-C stops at once.
+    (at most ``graceful_timeout`` seconds; those unfinished then get 503), and returns; a second signal stops at
+    once. Connections are bounded as ``connections.py`` says.
     """
     import uvicorn
 
     from attnmt.serve.app import create_app, make_batcher
     from attnmt.serve.batcher import IDLE_WAKE_SECONDS
+    from attnmt.serve.connections import guarded_protocol
 
     batcher = make_batcher(cfg, thread=False)
     app = create_app(translator, cfg, batcher)
+    svc = app.state.service
     sock = listen(cfg.host, cfg.port)
     host, port = sock.getsockname()[:2]
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=cfg.graceful_timeout or None)
+    protocol = guarded_protocol(cfg.header_timeout, cfg.body_timeout, cfg.max_header_bytes, cfg.max_connections,
+                                on_refused=lambda status: svc.metrics.request(status) if status else None)
+    # uvicorn's own grace is a backstop: the service answers what is in flight by graceful_timeout (503 if
+    # unfinished), so uvicorn only waits for those answers to be written
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", http=protocol,
+                            timeout_keep_alive=cfg.keep_alive, timeout_graceful_shutdown=cfg.graceful_timeout + 1,
+                            server_header=False)
     server = uvicorn.Server(config)
     state: dict = {"signal": None}
 
     def on_signal(signum, frame):
         state["signal"] = signal.Signals(signum).name
-        if server.should_exit and signum == signal.SIGINT:  # Ctrl-C twice: stop now
+        if server.should_exit:  # a second signal: stop now
             server.force_exit = True
+        svc.begin_stop()
         server.should_exit = True
 
     def run_server():
@@ -87,6 +114,8 @@ def serve(translator, cfg, announce: Callable[[str], None] = print) -> dict:
         reason = translator.continuous_unsupported() if cfg.batching == "continuous" else None
         if reason is not None:
             announce(f"continuous batching does not take {reason}: batching statically")
+        for line in network_warnings(cfg):
+            announce(line)
         batcher.run()
         while thread.is_alive():  # a timed join, so that a second Ctrl-C's handler can run (batcher.IDLE_WAKE_SECONDS)
             thread.join(IDLE_WAKE_SECONDS)
@@ -95,5 +124,4 @@ def serve(translator, cfg, announce: Callable[[str], None] = print) -> dict:
             signal.signal(s, h)
     if "error" in state or not server.started:
         raise UserError(f"the service stopped: {state.get('error') or 'it could not start (see above)'}")
-    svc = app.state.service
     return {"signal": state["signal"], **svc.metrics.snapshot(0, batcher.stats)}

@@ -16,8 +16,12 @@ translate`` does. A request's sentences are never split across two calls unless 
 ``max_batch``. Clients that just got their answers usually send their next sentences at once: after each call the
 loop waits up to ``return_wait`` seconds until as many sentences as it answered (plus those already waiting) are
 there, so that concurrent clients keep sharing full batches instead of settling into two alternating halves; the
-wait ends early once they are there, so a lone client waits for nothing. The queue is bounded (:class:`Overloaded` when full: the service answers 503); a request whose
-caller stopped waiting (its timeout) is dropped before it is searched.
+wait ends early once they are there, so a lone client waits for nothing.
+
+The queue is bounded in sentences and in cost (the work a request asks for: ``Job.cost``; :class:`Overloaded` when
+full: the service answers 503). A request whose caller has gone (it disconnected, timed out, or the service is
+stopping: :meth:`Batcher.cancel`) leaves the queue at once; in a running continuous search its sentences end at
+the next step; a static search call stops after its current search batch once all of its requests are gone.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ class Job:
 
     sources: list[list[int]]
     key: tuple  # jobs with equal keys may share a batch (the same search options)
-    run: Callable[[list[list[int]]], list[Any]]  # translates sentences of this key
+    run: Callable[..., list[Any]]  # (sentences of this key, cancelled: () -> bool) -> their results
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
     arrived: float = field(default_factory=time.monotonic)
@@ -60,6 +64,7 @@ class Job:
     finish: Callable[[list[int], Any], Any] | None = None  # (source ids, hypotheses) -> a sentence's result
     results: list[Any] = field(default_factory=list)
     left: int = 0  # sentences still in flight
+    cost: int = 0  # the work it asks for (what max_queue_tokens bounds)
 
     def settle(self, result: Any = None, error: BaseException | None = None) -> None:
         def set_it():
@@ -89,12 +94,15 @@ class Batcher:
     """The decoding thread and its bounded queue (see the module docstring)."""
 
     def __init__(self, max_batch: int, batch_wait: float, max_queue: int,
-                 count_tokens: Callable[[Any], int] = lambda r: 0, thread: bool = True, return_wait: float = 0.0):
+                 count_tokens: Callable[[Any], int] = lambda r: 0, thread: bool = True, return_wait: float = 0.0,
+                 max_queue_cost: int = 0):
         """``thread``: decode on a thread of its own; False: the caller runs :meth:`run` (the service decodes on
         the main thread: a thread's own OpenMP team makes torch's small products several times slower)."""
         self.max_batch = max_batch
         self.batch_wait = batch_wait
         self.max_queue = max_queue
+        self.max_queue_cost = max_queue_cost  # 0: unbounded
+        self._queued_cost = 0
         self.count_tokens = count_tokens
         self.return_wait = return_wait
         self._expect, self._expect_until = 0, 0.0  # sentences expected back after the last call, and until when
@@ -121,11 +129,25 @@ class Batcher:
         with self._cond:
             if self._stopping:
                 raise Stopped()
-            if self._queued and self._queued + len(job.sources) > self.max_queue:
+            if self._queued and (self._queued + len(job.sources) > self.max_queue or self.max_queue_cost
+                                 and self._queued_cost + job.cost > self.max_queue_cost):
                 raise Overloaded()
             self._queue.append(job)
             self._queued += len(job.sources)
+            self._queued_cost += job.cost
             self._cond.notify()
+
+    def cancel(self, job: Job) -> None:
+        """``job``'s caller has gone: drop it from the queue, or from the search it is in (see the module
+        docstring)."""
+        with self._cond:
+            job.cancelled = True
+            try:
+                self._queue.remove(job)
+            except ValueError:  # taken already
+                return
+            self._queued -= len(job.sources)
+            self._queued_cost -= job.cost
 
     def stop(self, timeout: float | None = None) -> None:
         """Finish what is queued, then end the decoding loop (and wait for its thread, if it has one)."""
@@ -158,6 +180,7 @@ class Batcher:
                     jobs.append(j)
                     size += len(j.sources)
                     self._queued -= len(j.sources)
+                    self._queued_cost -= j.cost
                 else:
                     full = full or j.key == first.key
                     keep.append(j)
@@ -169,6 +192,7 @@ class Batcher:
         while True:
             if self._stream is not None and self._stream.size:
                 self._join(self._admissible())
+                self._drop_cancelled()
                 self._step()
                 continue
             jobs = self._take()
@@ -183,7 +207,7 @@ class Batcher:
             sources = [s for j in jobs for s in j.sources]
             t0 = time.perf_counter()
             try:
-                results = jobs[0].run(sources)
+                results = jobs[0].run(sources, lambda jobs=jobs: all(j.cancelled for j in jobs))
             except Exception as e:  # noqa: BLE001 - a request must never end the decoding loop
                 for j in jobs:
                     j.settle(error=e)
@@ -192,7 +216,7 @@ class Batcher:
                 self.stats.busy_seconds += time.perf_counter() - t0
             self.stats.batches += 1
             self.stats.sentences += len(sources)
-            self.stats.target_tokens += sum(self.count_tokens(r) for r in results)
+            self.stats.target_tokens += sum(self.count_tokens(r) for r in results if r is not None)
             with self._cond:  # the clients answered now are expected back with their next sentences
                 self._expect = min(self.max_batch, self._queued + len(sources))
                 self._expect_until = time.monotonic() + self.return_wait
@@ -214,11 +238,13 @@ class Batcher:
                 if j.cancelled:
                     self._queue.popleft()
                     self._queued -= len(j.sources)
+                    self._queued_cost -= j.cost
                     continue
                 if j.stream is None or j.key != self._stream_key or len(j.sources) > room:
                     break
                 self._queue.popleft()
                 self._queued -= len(j.sources)
+                self._queued_cost -= j.cost
                 room -= len(j.sources)
                 jobs.append(j)
         return jobs
@@ -262,6 +288,8 @@ class Batcher:
         self.stats.steps += 1
         self.stats.step_sentences += size
         for sid, hyps in done:
+            if sid not in self._flight:  # dropped: its caller has gone
+                continue
             job, i = self._flight.pop(sid)
             try:
                 job.results[i] = job.finish(job.sources[i], hyps)
@@ -274,6 +302,14 @@ class Batcher:
             job.left -= 1
             if job.left == 0:
                 job.settle(job.results)
+
+    def _drop_cancelled(self) -> None:
+        """End the sentences of cancelled jobs in the running search."""
+        gone = [sid for sid, (j, _) in self._flight.items() if j.cancelled]
+        if gone:
+            for sid in gone:
+                del self._flight[sid]
+            self._stream.drop(gone)
 
     def _fail(self, error: BaseException, jobs: list[Job] = ()) -> None:
         """A search failed: answer its jobs (and ``jobs``) with ``error`` and start afresh."""

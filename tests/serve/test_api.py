@@ -196,7 +196,7 @@ def test_on_a_gpu_the_api_and_the_service_give_the_commands_translations(ckpt):
     try:
         status, body, _ = s.request("/translate", {"q": lines[:8], "source": "en", "target": "de"})
         assert (status, body) == (200, {"translatedText": got[:8]})
-        assert s.request("/health")[1]["device"].startswith("cuda")
+        assert s.request("/metrics?format=json")[1]["service"]["device"].startswith("cuda")
     finally:
         assert s.stop() == 0
 

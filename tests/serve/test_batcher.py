@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -20,7 +21,7 @@ class Recorder:
         self.fail_on = fail_on
         self.started = threading.Event()
 
-    def __call__(self, sources):
+    def __call__(self, sources, cancelled=lambda: False):
         self.started.set()
         if self.gate is not None:
             self.gate.wait(10)
@@ -178,10 +179,11 @@ class FakeSearch:
     """A running search whose sentence ``[n, ...]`` takes ``n`` steps and translates to ``[x * 10 ...]``; records
     the sentences in flight at each step. ``fail_on``: a step with this sentence in flight raises."""
 
-    def __init__(self, fail_on: int | None = None):
+    def __init__(self, fail_on: int | None = None, step_seconds: float = 0.0):
         self.flight: dict = {}  # key -> (sentence, steps left)
         self.sizes: list[int] = []
         self.fail_on = fail_on
+        self.step_seconds = step_seconds
 
     @property
     def size(self) -> int:
@@ -191,7 +193,13 @@ class FakeSearch:
         for s, k in zip(sources, keys):
             self.flight[k] = (s, s[0])
 
+    def drop(self, keys):
+        for k in keys:  # as ContinuousSearch does: the sentence ends at the next step
+            if k in self.flight:
+                self.flight[k] = (self.flight[k][0], 1)
+
     def step(self):
+        time.sleep(self.step_seconds)
         self.sizes.append(self.size)
         if any(s[0] == self.fail_on for s, _ in self.flight.values()):
             raise RuntimeError("boom")
@@ -290,3 +298,87 @@ def test_stop_finishes_the_sentences_in_flight_and_the_queued_ones():
         return got
 
     assert asyncio.run(main()) == [[[30]], [[20]], [[10]]]
+
+
+def test_the_queue_is_bounded_by_cost_and_a_cancelled_job_leaves_it_at_once():
+    gate = threading.Event()
+    rec = Recorder(gate)
+    b = Batcher(max_batch=1, batch_wait=0.0, max_queue=100, max_queue_cost=10)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+
+        def job(k, cost):
+            return Job(sources=[[k]], key=("k",), run=rec, future=loop.create_future(), loop=loop, cost=cost)
+
+        running = job(1, 6)
+        b.submit(running)
+        await loop.run_in_executor(None, rec.started.wait, 10)
+        waiting = job(2, 6)
+        b.submit(waiting)
+        with pytest.raises(Overloaded):
+            b.submit(job(3, 5))  # 6 + 5 > 10
+        b.cancel(waiting)
+        assert (b.queued, b._queued_cost) == (0, 0)
+        after = job(4, 9)
+        b.submit(after)  # room again
+        gate.set()
+        return await running.future, await after.future, waiting.future.done()
+
+    assert asyncio.run(main()) == ([[10]], [[40]], False)
+    b.stop()
+    assert rec.calls == [[[1]], [[4]]]  # the cancelled job was never searched
+
+
+def test_a_static_call_stops_between_search_batches_once_all_its_jobs_are_gone():
+    first_done, go_on, asked = threading.Event(), threading.Event(), []
+
+    def run(sources, cancelled):
+        out = []
+        for s in sources:  # one search batch per sentence
+            out.append([x * 10 for x in s])
+            first_done.set()
+            go_on.wait(10)
+            asked.append(cancelled())
+            if asked[-1]:
+                break
+        return out + [None] * (len(sources) - len(out))
+
+    b = Batcher(max_batch=8, batch_wait=0.0, max_queue=100)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        job = Job(sources=[[1], [2], [3]], key=("k",), run=run, future=loop.create_future(), loop=loop)
+        b.submit(job)
+        await loop.run_in_executor(None, first_done.wait, 10)
+        b.cancel(job)  # its client went while its search ran
+        go_on.set()
+        await asyncio.sleep(0.1)
+        return job.future.done() and job.future.result()
+
+    assert asyncio.run(main()) == [[10], None, None]  # nobody reads it: what was left was not searched
+    b.stop()
+    assert asked == [True]
+
+
+def test_a_cancelled_job_leaves_the_running_search_at_its_next_step():
+    search = FakeSearch(step_seconds=0.01)
+    b = Batcher(max_batch=8, batch_wait=0.0, max_queue=100)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        long, short = stream_job(loop, [[50]], search), stream_job(loop, [[3]], search)
+        b.submit(long)
+        b.submit(short)
+        while not search.sizes:
+            await asyncio.sleep(0.001)
+        b.cancel(long)
+        got = await short.future
+        while search.size:
+            await asyncio.sleep(0.001)
+        return got, long.future.done()
+
+    assert asyncio.run(main()) == ([[30]], False)
+    b.stop()
+    assert len(search.sizes) < 10  # not the 50 steps the long sentence would take
+    assert b.stats.sentences == 1 and not b._flight

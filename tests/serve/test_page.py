@@ -23,9 +23,18 @@ if not (CHROMIUM and DRIVER):
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
-    s = Service(make_checkpoint(tmp_path_factory.mktemp("page")), "--max-len-b", "12")
+    s = Service(make_checkpoint(tmp_path_factory.mktemp("page")), "--max-len-b", "12", "--allow-alignment")
     yield s
     assert s.stop() == 0
+
+
+def test_the_page_runs_under_its_content_security_policy(service):
+    status, page, headers = service.request("/")
+    csp = headers["content-security-policy"]
+    assert status == 200 and "script-src 'sha256-" in csp and "unsafe-inline" not in csp
+    assert "frame-ancestors 'none'" in csp and headers["x-frame-options"] == "DENY"
+    assert headers["x-content-type-options"] == "nosniff" and "server" not in {k.lower() for k in headers}
+    # the page's translations below run in a browser that enforces this policy
 
 
 @pytest.fixture(scope="module")
