@@ -37,6 +37,10 @@ def command(path, remove_bpe, **params):
     given = given_options(params)
     serve_names = set(ServeConfig.__dataclass_fields__)
     cfg = make_config(ServeConfig, {k: v for k, v in given.items() if k in serve_names})
+    from attnmt.serve.access import Access, parse_origins
+
+    Access(cfg.api_keys, cfg.req_limit)  # the options' files and values, checked before the model loads
+    parse_origins(cfg.cors_origins)
     start = time.perf_counter()
     translator = Translator(path, remove_bpe=remove_bpe, **{k: v for k, v in given.items() if k not in serve_names})
     if translator.note:

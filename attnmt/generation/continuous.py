@@ -160,8 +160,9 @@ class ContinuousSearch:
         self.blank = [(k, h) for k, h in self.blank if k not in gone]
         rows = [i for i, k in enumerate(self.keys) if k in gone]
         if rows:
-            at = torch.tensor(rows, device=self.device)
-            self.max_len[at] = self.steps[at]
+            with torch.inference_mode():
+                at = torch.tensor(rows, device=self.device)
+                self.max_len[at] = self.steps[at]
 
     # ------------------------------------------------------------------------------------------ step
 

@@ -93,7 +93,7 @@ def serve(translator, cfg, announce: Callable[[str], None] = print) -> dict:
         state["signal"] = signal.Signals(signum).name
         if server.should_exit:  # a second signal: stop now
             server.force_exit = True
-        svc.begin_stop()
+        svc.begin_stop(now=server.should_exit)
         server.should_exit = True
 
     def run_server():
@@ -102,7 +102,8 @@ def serve(translator, cfg, announce: Callable[[str], None] = print) -> dict:
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             state["error"] = e
         finally:
-            batcher.stop()  # the lifespan's end has stopped it already, unless the server never started
+            # the lifespan's end has stopped it already, unless the server never started or a second signal came
+            batcher.stop(drop=server.force_exit)
 
     before = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     thread = threading.Thread(target=run_server, name="attnmt-http", daemon=True)

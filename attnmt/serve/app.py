@@ -94,11 +94,11 @@ class Service:
         if self.batcher is None:
             self.batcher = make_batcher(self.cfg)
 
-    def begin_stop(self) -> None:
+    def begin_stop(self, now: bool = False) -> None:
         """A signal asked to stop: new requests get 503; those in flight are answered until ``graceful_timeout``
-        has passed, then 503 (any thread)."""
-        if self.stop_at is None:
-            self.stop_at = time.monotonic() + self.cfg.graceful_timeout
+        has passed (``now``: at once), then 503 (any thread)."""
+        deadline = time.monotonic() + (0.0 if now else self.cfg.graceful_timeout)
+        self.stop_at = deadline if self.stop_at is None else min(self.stop_at, deadline)
         self.stopping = True
 
     def stop(self) -> None:

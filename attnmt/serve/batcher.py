@@ -111,6 +111,7 @@ class Batcher:
         self._queued = 0  # sentences waiting
         self._cond = threading.Condition()
         self._stopping = False
+        self._drop_all = False
         self._streams: dict[tuple, Any] = {}  # search options -> their running search (kept for reuse)
         self._stream: Any = None  # the search with sentences in flight
         self._stream_key: tuple | None = None
@@ -149,10 +150,17 @@ class Batcher:
             self._queued -= len(job.sources)
             self._queued_cost -= job.cost
 
-    def stop(self, timeout: float | None = None) -> None:
-        """Finish what is queued, then end the decoding loop (and wait for its thread, if it has one)."""
+    def stop(self, timeout: float | None = None, drop: bool = False) -> None:
+        """Finish what is queued (``drop``: cancel it, and what is in flight), then end the decoding loop (and wait
+        for its thread, if it has one)."""
         with self._cond:
             self._stopping = True
+            if drop:  # the sentences in flight end at the next step (_drop_cancelled, on the decoding thread)
+                self._drop_all = True
+                for j in self._queue:
+                    j.cancelled = True
+                self._queue.clear()
+                self._queued = self._queued_cost = 0
             self._cond.notify()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
@@ -305,7 +313,7 @@ class Batcher:
 
     def _drop_cancelled(self) -> None:
         """End the sentences of cancelled jobs in the running search."""
-        gone = [sid for sid, (j, _) in self._flight.items() if j.cancelled]
+        gone = [sid for sid, (j, _) in self._flight.items() if j.cancelled or self._drop_all]
         if gone:
             for sid in gone:
                 del self._flight[sid]

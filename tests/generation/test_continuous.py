@@ -137,6 +137,27 @@ def test_blank_sentences_leave_at_the_next_step_without_the_model(model):
     assert [[h.tokens for h in got[i]] for i in range(3)] == [[h.tokens for h in w] for w in want]
 
 
+def test_dropped_sentences_end_at_the_next_step_and_the_others_are_unchanged(model):
+    """A sentence whose caller has gone leaves the search at the next step (cut short), a blank one at once; the
+    sentences beside them get the hypotheses they would have had."""
+    cfg = SearchConfig(min_len=8, max_len_a=0, max_len_b=40)
+    gen = Generator(model, SYM, cfg)
+    srcs = sources(4, 8)
+    want = gen.search_batch(srcs, range(4))
+    stream = ContinuousSearch(gen)
+    stream.add(srcs[:3] + [[SYM.eos]], [0, "gone", 2, "blank"])
+    assert stream.step() == [("blank", empty_translation(SYM.eos, 1))]  # the blank one leaves first
+    stream.drop(["gone"])
+    got = dict(stream.step())
+    assert set(got) == {"gone"} and len(got["gone"][0].tokens) <= 2  # ended at once, cut short
+    stream.add([srcs[3], [SYM.eos]], [3, "blank2"])
+    stream.drop(["blank2"])
+    while stream.size:
+        got.update(stream.step())
+    assert "blank2" not in got
+    assert [[h.tokens for h in got[i]] for i in (0, 2, 3)] == [[h.tokens for h in want[i]] for i in (0, 2, 3)]
+
+
 def test_configurations_it_cannot_take_are_named(model):
     assert unsupported(Generator(model, SYM, SearchConfig())) is None
     assert unsupported(Generator(model, SYM, SearchConfig(sampling=True))) == "the sampling search"

@@ -51,6 +51,12 @@ class Service:
         kind = headers.get("content-type", "")
         return status, (json.loads(text) if kind.startswith("application/json") else text), headers
 
+    @staticmethod
+    def run_to_end(ckpt: Path, *options: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        """``attnmt serve`` with ``options`` that should make it fail before it serves."""
+        return subprocess.run([sys.executable, "-m", "attnmt.cli", "serve", "--path", str(ckpt), "--port", "0",
+                               *options], capture_output=True, text=True, timeout=timeout)
+
     def stop(self, timeout: float = 60) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
