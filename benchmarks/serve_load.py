@@ -48,6 +48,14 @@ MALFORMED = [  # (method, path, content type, body)
     ("GET", "/translate", "", b""),
     ("POST", "/nope", "application/json", b"{}"),
     ("POST", "/v1/translate", "application/json", b'{"text": "a", "nbest": 0}'),
+    ("POST", "/translate", "application/json", b'{"q": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+    ("POST", "/v1/translate", "application/json", b'{"text": "a", "nbest": ' + b"9" * 5000 + b"}"),
+    ("POST", "/v1/translate", "application/json", '{"text": "a", "nbest": "\u00b2"}'.encode()),
+    ("POST", "/translate", "application/x-www-form-urlencoded", b"q=a&alternatives=--1"),
+    ("POST", "/translate", "application/json", b'{"q": "a \\ud800 b"}'),
+    ("POST", "/translate", "application/x-www-form-urlencoded", b'{"q": "a"}'),
+    ("POST", "/translate", "application/json", json.dumps({"q": "a", "source": "x" * 900_000}).encode()),
+    ("POST", "/translate", "application/json", json.dumps({"q": "\ufdfa" * 340_000}).encode()),
 ]
 
 

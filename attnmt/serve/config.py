@@ -55,7 +55,7 @@ class ServeConfig:
     header_timeout: float = field(default=10.0, metadata={
         "min": 0.1, "help": "Seconds a connection may take to send a request's headers (also: an idle new "
                             "connection); then it is closed."})
-    body_timeout: float = field(default=30.0, metadata={
+    body_timeout: float = field(default=20.0, metadata={
         "min": 0.1, "help": "Seconds a request may take to send its body; then 408 and the connection closed."})
     keep_alive: float = field(default=5.0, metadata={
         "min": 0.1, "help": "Seconds an idle kept-alive connection stays open between requests."})

@@ -10,7 +10,8 @@ holds them as long as it likes. :func:`guarded_protocol` makes the protocol clas
 * the head (request line and headers) may have at most ``max_header_bytes``; beyond: 431 and closed;
 * a request must send its whole body within ``body_timeout`` seconds of its head; else 408 and closed (the
   application sees the client disconnect);
-* connections beyond ``max_connections`` are closed as soon as they open.
+* connections beyond ``max_connections`` are closed as soon as they open;
+* when the server stops, a request still sending its body gets 503 at once.
 """
 
 from __future__ import annotations
@@ -86,12 +87,32 @@ def guarded_protocol(header_timeout: float, body_timeout: float, max_header_byte
 
         def on_message_complete(self) -> None:
             self._stop_timer("_body_timer")
+            answered = self.cycle is not None and self.cycle.response_complete  # early, e.g. a 413
             super().on_message_complete()
+            if answered:
+                self._next_head()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
+            if self._body_timer is None:  # else the rest of the body is still coming (on_message_complete)
+                self._next_head()
+
+        def _next_head(self) -> None:
             if not self.transport.is_closing() and self._head_timer is None:
                 self._await_head()  # the next request's head (uvicorn's keep-alive timeout closes an idle one)
+
+        def shutdown(self) -> None:
+            """The server is stopping: a request still sending its body is answered 503 now (it cannot be
+            translated any more); the others as uvicorn does (idle connections closed, answers finished)."""
+            if self._body_timer is not None and self.cycle is not None and not self.cycle.response_started:
+                self._stop_timer("_body_timer")
+                on_refused(503)
+                self.transport.write(_raw_response(503, "Service Unavailable", "the service is shutting down; "
+                                                   "retry on another instance"))
+                self.cycle.response_complete = True
+                self.transport.close()
+                return
+            super().shutdown()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._stop_timer("_head_timer")

@@ -56,7 +56,7 @@ def post(path: str, body: dict, host: str = "127.0.0.1", extra: str = "") -> byt
 @pytest.fixture(scope="module")
 def guarded(ckpt):
     s = Service(ckpt, "--max-len-b", "12", "--header-timeout", "1", "--body-timeout", "1", "--max-connections", "8",
-                "--max-header-bytes", "4096", "--batch-wait-ms", "1500")
+                "--max-header-bytes", "4096", "--batch-wait-ms", "1500", "--max-request-bytes", "65536")
     yield s
     assert s.stop() == 0, "\n".join(s.lines)
 
@@ -97,6 +97,30 @@ def test_an_oversized_head_gets_431_and_too_many_connections_are_closed(guarded)
             sock.close()
     time.sleep(0.2)
     assert guarded.request("/health")[0] == 200
+
+
+def read_response(sock: socket.socket) -> tuple[int, bytes]:
+    """(status, body) of one answer on a kept-alive connection."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return int(head.split()[1]), body
+
+
+def test_a_kept_alive_connection_serves_on_after_an_early_413(guarded):
+    """The rest of a refused body is not taken for the next request's headers."""
+    with socket.create_connection(address(guarded), timeout=10) as sock:
+        big = json.dumps({"q": "a " * 50_000}).encode()
+        sock.sendall(b"POST /translate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(big))
+        assert read_response(sock)[0] == 413  # from its Content-Length, before the body
+        sock.sendall(big)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert read_response(sock)[0] == 200
 
 
 def test_a_client_that_disconnects_is_dropped_and_counted_as_499(guarded):
