@@ -141,7 +141,9 @@ class Service:
                 raise BadRequest(400, "the form is not valid (over 1000 fields, or bad %-escapes); send a JSON "
                                       "object instead") from None
             return {k: (v if k == "q" and len(v) > 1 else v[-1]) for k, v in form.items()}
-        if kind not in ("application/json", ""):
+        if not kind:  # a browser may send a body without one and without asking first: only declared JSON is read
+            raise BadRequest(415, "the request has no content type; send it with Content-Type: application/json")
+        if kind != "application/json":
             raise BadRequest(415, f"content type {shown(kind)} is not accepted; send application/json (or a form)")
         if not text.strip():
             raise BadRequest(400, "the request body is empty; send a JSON object such as {\"q\": \"Hello\"}")

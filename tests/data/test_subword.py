@@ -120,3 +120,17 @@ def test_fastbpe_applies_merges_by_rank_with_an_end_of_word_marker():
         FastBPE(b"a b\nc\n", "merges.txt")
     with pytest.raises(UserError, match="--bpe fastbpe applies the merges of an imported model"):
         FastBPE.train([], 10, "x")
+
+
+def test_subword_nmt_word_cache_stays_bounded(monkeypatch):
+    """A stream of new words (a service's inputs) does not grow subword-nmt's cache without end."""
+    pytest.importorskip("subword_nmt")
+    from attnmt.data.subword import SubwordNmtBPE
+
+    bpe = SubwordNmtBPE(b"#version: 0.2\nt h\nth e</w>\n")
+    monkeypatch.setattr(SubwordNmtBPE, "CACHE", 50)
+    assert bpe.encode("the") == "the"
+    for k in range(400):
+        line = f"the w{k}"
+        assert bpe.decode(bpe.encode(line)) == line
+        assert len(bpe._bpe.cache) <= 50 + 2  # emptied once over the bound (a line adds at most two words)

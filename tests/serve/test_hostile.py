@@ -216,3 +216,45 @@ def test_shutdown_ends_within_its_grace_and_unfinished_requests_get_503(ckpt, se
     assert code == 0 and took < 4, (took, "\n".join(s.lines))
     if not second_signal:  # answered before the server went
         assert got["answer"][0] == 503 and "stopped before this translation finished" in got["answer"][1]["error"]
+
+
+def test_an_unexpected_error_is_logged_with_its_traceback_and_answered_with_a_generic_500(caplog):
+    import asyncio
+
+    from attnmt.serve.app import create_app
+
+    class Model:  # what the routes ask of a translator before the failing step
+        source_lang, target_lang = "en", "de"
+
+        def max_source_tokens(self):
+            return 100
+
+    app = create_app(Model())
+    svc = app.state.service
+
+    def broken(value, name):
+        raise RuntimeError("secret internal detail")
+
+    svc.sentences = broken
+    body = json.dumps({"q": "a"}).encode()
+    sent = []
+
+    async def call():
+        async def receive():
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/translate", "raw_path": b"/translate",
+                 "query_string": b"", "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json")],
+                 "client": ("127.0.0.1", 5555), "server": ("127.0.0.1", 5000), "scheme": "http",
+                 "http_version": "1.1", "root_path": "", "app": app}
+        await app(scope, receive, send)
+
+    with caplog.at_level("ERROR", logger="attnmt.serve"):
+        asyncio.run(call())
+    assert sent[0]["status"] == 500
+    answer = json.loads(sent[1]["body"])
+    assert answer == {"error": "internal error; the service's log has the details"}  # nothing of the exception
+    assert "secret internal detail" in caplog.text and "Traceback" in caplog.text

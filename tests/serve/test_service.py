@@ -139,6 +139,7 @@ BAD = [
     ("flag", b'{"text": "a", "scores": "yes"}', "application/json", "/v1/translate", "POST", 400,
      "true or false"),
     ("xml", b"<q>a</q>", "application/xml", "/translate", "POST", 415, "application/xml"),
+    ("no content type", b'{"q": "a"}', "", "/translate", "POST", 415, "no content type"),
     ("too many characters", json.dumps({"q": ["a" * 300] * 5}).encode(), "application/json", "/translate", "POST",
      413, "at most 1200 per request"),
     ("too much work", json.dumps({"text": ["word " * 10] * 8, "alignment": True}).encode(), "application/json",
