@@ -11,7 +11,7 @@ case is bounded in time and size and talks to 127.0.0.1 only. The cases:
 * ``alignment``: 8 sentences of 1,023 tokens asking for the attention weights;
 * ``vanished``: the same 8 sentences from a client that closes its socket 50 ms after sending, then one short
   request (its latency: whether the vanished client's work still ran);
-* ``behind-long``: 16 clients sending 4 such sentences each, then one short request;
+* ``behind-long``: 16 clients of another address (127.0.0.2) sending 4 such sentences each, then one short request;
 * ``idle-connections``: 300 connections that send nothing (the server's open files after 12 s);
 * ``slow-headers`` / ``slow-body``: a request's head, or its body, one line or byte a second (seconds until the
   server closed it, at most 40);
@@ -108,11 +108,12 @@ class Server:
 
 
 def request(port: int, path: str, body: bytes | None, kind: str = "application/json", headers: dict | None = None,
-            method: str = "POST", timeout: float = 120) -> tuple[int, int, float]:
-    """(status, answer bytes, seconds); status 0: no answer."""
+            method: str = "POST", timeout: float = 120, source: str | None = None) -> tuple[int, int, float]:
+    """(status, answer bytes, seconds); status 0: no answer. ``source``: the client's address (127.0.0.x)."""
     t0 = time.perf_counter()
     try:
-        c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout,
+                                       source_address=(source, 0) if source else None)
         h = {"Content-Type": kind, **(headers or {})} if body is not None else dict(headers or {})
         c.request(method, path, body=body, headers=h)
         r = c.getresponse()
@@ -163,8 +164,8 @@ def case_vanished(s: Server):
 
 
 def case_behind_long(s: Server):
-    threads = [threading.Thread(target=request, args=(s.port, "/translate", jbody({"q": [LONG] * 4})))
-               for _ in range(16)]
+    threads = [threading.Thread(target=request, args=(s.port, "/translate", jbody({"q": [LONG] * 4})),
+                                kwargs={"source": "127.0.0.2"}) for _ in range(16)]  # another client's
     for t in threads:
         t.start()
     time.sleep(0.3)

@@ -226,6 +226,7 @@ class Service:
             status, message = e.args
             raise BadRequest(status, message) from None
         client = key if key is not None else (request.client.host if request.client else "?")
+        request.state.client = client
         wait = self.access.allow(client)
         if wait:
             raise BadRequest(429, f"over {self.cfg.req_limit} requests a minute; retry in {wait:.0f} s",
@@ -284,7 +285,8 @@ class Service:
                 return t.finish(ids, hyps, details=True, alignment=alignment, **search)
 
         job = Job(sources=sources, key=(nbest, alignment, search.get("tgt_lang")), run=run,
-                  future=loop.create_future(), loop=loop, stream=stream, finish=finish, cost=cost)
+                  future=loop.create_future(), loop=loop, stream=stream, finish=finish, cost=cost,
+                  client=getattr(request.state, "client", ""))
         try:
             self.batcher.submit(job)
         except Overloaded:
@@ -377,7 +379,8 @@ async def _disconnected(request: Request) -> None:
 def make_batcher(cfg: ServeConfig, thread: bool = True) -> Batcher:
     return Batcher(cfg.max_batch, cfg.batch_wait_ms / 1000.0, cfg.max_queue,
                    count_tokens=lambda r: len(r.tokens) if r is not None else 0, thread=thread,
-                   return_wait=cfg.return_wait_ms / 1000.0, max_queue_cost=cfg.max_queue_tokens)
+                   return_wait=cfg.return_wait_ms / 1000.0, max_queue_cost=cfg.max_queue_tokens,
+                   max_call_cost=cfg.max_request_tokens)
 
 
 def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:

@@ -9,10 +9,12 @@ answered once all of its sentences are. Every step thus decodes all the sentence
 arrival, and a short sentence is not held back by a long one. Jobs of other search options wait at the head of
 the queue until the running search has drained (first come, first served).
 
-**Static batches** (jobs without one): the loop takes the oldest, waits at most ``batch_wait``
-seconds for more of the same kind (the same search options), then translates up to ``max_batch`` sentences in one
-call of the translator, which sorts them by length and cuts them into ``--max-tokens`` batches as ``attnmt
-translate`` does. A request's sentences are never split across two calls unless it alone has more than
+**Static batches** (jobs without one): the loop takes the oldest job, waits at most ``batch_wait``
+seconds for more of the same kind (the same search options), then translates up to ``max_batch`` sentences (and at
+most ``max_call_cost`` of work) in one call of the translator, starting with the oldest job of the client served
+least recently (clients take turns) and leaving out jobs of much longer sentences than that one's (so a short
+request does not wait in a call for long ones). The translator sorts them by length and cuts them into
+``--max-tokens`` batches as ``attnmt translate`` does. A request's sentences are never split across two calls unless it alone has more than
 ``max_batch``. Clients that just got their answers usually send their next sentences at once: after each call the
 loop waits up to ``return_wait`` seconds until as many sentences as it answered (plus those already waiting) are
 there, so that concurrent clients keep sharing full batches instead of settling into two alternating halves; the
@@ -29,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +67,7 @@ class Job:
     results: list[Any] = field(default_factory=list)
     left: int = 0  # sentences still in flight
     cost: int = 0  # the work it asks for (what max_queue_tokens bounds)
+    client: str = ""  # who asked (an API key or an address): the static batches take turns between clients
 
     def settle(self, result: Any = None, error: BaseException | None = None) -> None:
         def set_it():
@@ -95,14 +98,17 @@ class Batcher:
 
     def __init__(self, max_batch: int, batch_wait: float, max_queue: int,
                  count_tokens: Callable[[Any], int] = lambda r: 0, thread: bool = True, return_wait: float = 0.0,
-                 max_queue_cost: int = 0):
+                 max_queue_cost: int = 0, max_call_cost: int = 0):
         """``thread``: decode on a thread of its own; False: the caller runs :meth:`run` (the service decodes on
         the main thread: a thread's own OpenMP team makes torch's small products several times slower)."""
         self.max_batch = max_batch
         self.batch_wait = batch_wait
         self.max_queue = max_queue
         self.max_queue_cost = max_queue_cost  # 0: unbounded
+        self.max_call_cost = max_call_cost  # the most work one static call takes (0: unbounded)
         self._queued_cost = 0
+        self._served: OrderedDict[str, int] = OrderedDict()  # client -> the call that last served it
+        self._calls = 0
         self.count_tokens = count_tokens
         self.return_wait = return_wait
         self._expect, self._expect_until = 0, 0.0  # sentences expected back after the last call, and until when
@@ -181,18 +187,33 @@ class Batcher:
                 if same >= self.max_batch or until <= now:
                     break
                 self._cond.wait(until - now)
-            jobs, size, full, keep = [], 0, False, deque()
-            while self._queue:  # first come, first served: the first job that does not fit ends the batch
-                j = self._queue.popleft()
-                if j.key == first.key and not full and (not jobs or size + len(j.sources) <= self.max_batch):
+            if not self._queue:  # all cancelled while waiting
+                return []
+            first = min(self._queue, key=lambda j: (self._served.get(j.client, -1), j.arrived))
+            unit = first.cost / max(1, len(first.sources))  # its work per sentence
+            jobs, size, cost, full, keep = [], 0, 0, False, deque()
+            for j in [first, *(j for j in self._queue if j is not first)]:
+                # first come, first served after the first: the first job that does not fit ends the batch; jobs
+                # of much longer sentences than the first's wait for a call of their own
+                fits = j.key == first.key and not full and (not jobs or size + len(j.sources) <= self.max_batch
+                                                            and (not self.max_call_cost
+                                                                 or cost + j.cost <= self.max_call_cost))
+                if fits and j.cost <= 2 * unit * len(j.sources):
                     jobs.append(j)
                     size += len(j.sources)
+                    cost += j.cost
                     self._queued -= len(j.sources)
                     self._queued_cost -= j.cost
                 else:
-                    full = full or j.key == first.key
+                    full = full or (j.key == first.key and not fits)
                     keep.append(j)
             self._queue = keep
+            self._calls += 1
+            for j in jobs:  # the clients served now go after the others next time
+                self._served[j.client] = self._calls
+                self._served.move_to_end(j.client)
+            while len(self._served) > 10_000:
+                self._served.popitem(last=False)
             return jobs
 
     def run(self) -> None:

@@ -382,3 +382,32 @@ def test_a_cancelled_job_leaves_the_running_search_at_its_next_step():
     b.stop()
     assert len(search.sizes) < 10  # not the 50 steps the long sentence would take
     assert b.stats.sentences == 1 and not b._flight
+
+
+def test_clients_take_turns_and_a_short_job_is_not_searched_with_much_longer_ones():
+    gate = threading.Event()
+    rec = Recorder(gate)
+    b = Batcher(max_batch=64, batch_wait=0.0, max_queue=100, max_call_cost=250)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+
+        def job(k, cost, client):
+            return Job(sources=[[k]], key=("k",), run=rec, future=loop.create_future(), loop=loop, cost=cost,
+                       client=client)
+
+        running = job(0, 100, "flood")
+        b.submit(running)
+        await loop.run_in_executor(None, rec.started.wait, 10)
+        floods = [job(k, 100, "flood") for k in (1, 2, 3, 4)]
+        for j in floods:
+            b.submit(j)
+        short = job(9, 10, "other")  # arrives last, from another client, a tenth of their work
+        b.submit(short)
+        gate.set()
+        await asyncio.gather(running.future, short.future, *(j.future for j in floods))
+
+    asyncio.run(main())
+    b.stop()
+    # the other client's short job went next, alone; then the flood's, at most 250 of work a call
+    assert rec.calls == [[[0]], [[9]], [[1], [2]], [[3], [4]]]
