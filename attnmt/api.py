@@ -13,6 +13,7 @@ the command's. Bad input raises :class:`attnmt.errors.UserError` with the comman
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Sequence
@@ -126,7 +127,10 @@ class Translator:
     # ---------------------------------------------------------------------------------------------- translate
 
     def translate(self, sources: str | Sequence[str], *, details: bool = False, alignment: bool = False,
-                  **search: Any):
+                  prefix: str | Sequence[str | None] | None = None,
+                  constraints: Sequence[str] | Sequence[Sequence[str] | None] | None = None,
+                  constraint_order: str = "unordered", suppress: Sequence[str] = (),
+                  return_alternatives: bool = False, min_alternative_expansion_prob: float = 0.0, **search: Any):
         """Translate one sentence (a ``str``) or a list of them, in order.
 
         Returns the translation (``str``), or with ``nbest`` > 1 the list of the ``nbest`` best; for a list of
@@ -135,21 +139,98 @@ class Translator:
         ``alignment=True``, the attention weights. ``search``: search options for this call (``beam``, ``nbest``,
         ``lenpen``, ``sampling``, ...), on top of the ones given when loading; for a multilingual model,
         ``src_lang`` and ``tgt_lang`` choose this call's language pair.
+
+        Steering (per sentence for a list: a list of these): ``prefix``, the target text the translation starts
+        with (forced); ``constraints``, target phrases every hypothesis contains (``constraint_order``
+        ``"ordered"``: in that order); ``suppress``, texts no translation contains; ``return_alternatives``:
+        the ``nbest`` most probable continuations at the end of the prefix (each token at least
+        ``min_alternative_expansion_prob`` likely), each completed by the search, as CTranslate2 returns them.
         """
         single = isinstance(sources, str)
         lines = _lines([sources] if single else sources, "sources")
-        results = self.translate_batch(lines, details=details or alignment, alignment=alignment, **search)
+        if single:
+            prefix = None if prefix is None else [prefix]
+            constraints = None if constraints is None else [constraints]
+        guide = self.guidance(len(lines), prefix, constraints, constraint_order, suppress)
+        if return_alternatives:
+            results = self.alternatives(lines, guide, min_alternative_expansion_prob, details or alignment, **search)
+        else:
+            results = self.translate_batch(lines, details=details or alignment, alignment=alignment, guide=guide,
+                                           **search)
         return results[0] if single else results
 
-    def translate_batch(self, lines: list[str], *, details: bool = False, alignment: bool = False, **search: Any):
-        """``translate`` for a list of strings already checked."""
+    def guidance(self, n: int, prefix=None, constraints=None, constraint_order: str = "unordered",
+                 suppress: Sequence[str] = ()):
+        """The :class:`~attnmt.generation.search.Guidance` of ``n`` sentences from texts (see :meth:`translate`);
+        a ``UserError`` naming the bad item."""
+        from attnmt.generation.guidance import CONSTRAINT_ORDERS, suppressed, target_ids
+        from attnmt.generation.search import Guidance
+
+        if constraint_order not in CONSTRAINT_ORDERS:
+            raise UserError(f"constraint_order must be one of {', '.join(CONSTRAINT_ORDERS)}, got "
+                            f"{shown_value(constraint_order)}")
+        b = self.bundle
+        prefixes = phrases = None
+        if prefix is not None:
+            items = _per_sentence(prefix, n, "prefix")
+            prefixes = []
+            for i, p in enumerate(items):
+                if p is not None and not isinstance(p, str):
+                    raise UserError(f"prefix[{i}]: expected a string or None, got {type(p).__name__}")
+                prefixes.append(target_ids(b, p, f"prefix[{i}]:") if p and p.strip() else [])
+        if constraints is not None:
+            items = _per_sentence(constraints, n, "constraints")
+            phrases = []
+            for i, c in enumerate(items):
+                texts = _lines(c, f"constraints[{i}]") if c is not None else []
+                phrases.append([target_ids(b, t, f"constraints[{i}]:") for t in texts if t.strip()])
+        texts = _lines(list(suppress) if not isinstance(suppress, str) else suppress, "suppress")
+        return Guidance(prefixes, phrases, suppressed(b, texts), constraint_order == "ordered")
+
+    def alternatives(self, lines: list[str], guide, min_prob: float = 0.0, details: bool = False, **search: Any):
+        """Per sentence, the ``nbest`` alternatives at the end of its prefix (see :meth:`translate`): a list of
+        texts, or with ``details`` a :class:`Translation` whose ``hypotheses`` are them, in the alternatives'
+        order."""
+        import math
+
+        if not (isinstance(min_prob, (int, float)) and math.isfinite(min_prob) and 0 <= min_prob <= 1):
+            raise UserError(f"min_alternative_expansion_prob must be a probability (0 to 1), got "
+                            f"{shown_value(min_prob)}")
+        if guide.constraints is not None and any(guide.constraints):
+            raise UserError("return_alternatives takes a prefix, not constraints; drop one of them")
+        return self.alternatives_encoded(self.encode_batch(lines, search.get("src_lang")), guide, min_prob, details,
+                                         **search)
+
+    def alternatives_encoded(self, sources: list[list[int]], guide, min_prob: float = 0.0, details: bool = False,
+                             **search: Any):
+        """:meth:`alternatives` for sentences already encoded (what the service calls)."""
+        generator = self.generator_for(search)
+        out = []
+        with self._lock:
+            self._check_open()
+            for i, ids in enumerate(sources):
+                if len(ids) > self.max_source_tokens():
+                    raise UserError(f"sources[{i}]: the source has {len(ids)} tokens but the model accepts at most "
+                                    f"{self.max_source_tokens()}; shorten or split it")
+                prefix = guide.prefixes[i] if guide.prefixes is not None else []
+                generator.check_guide([ids], type(guide)(prefixes=[prefix + [0]]), i, "sources")
+                hyps = generator.alternatives(ids, prefix, generator.search_cfg.nbest, float(min_prob), guide.suppress)
+                cfg = dataclasses.replace(generator.search_cfg, nbest=max(2, len(hyps)))
+                res = self._result(ids, hyps, cfg, details, False)
+                out.append(res if details else list(res) if isinstance(res, list) else [res])
+        return out
+
+    def translate_batch(self, lines: list[str], *, details: bool = False, alignment: bool = False, guide=None,
+                        **search: Any):
+        """``translate`` for a list of strings already checked (``guide``: their :meth:`guidance`)."""
         return self.translate_encoded(self.encode_batch(lines, search.get("src_lang")), details=details,
-                                      alignment=alignment, **search)
+                                      alignment=alignment, guide=guide, **search)
 
     def translate_encoded(self, sources: list[list[int]], *, details: bool = False, alignment: bool = False,
-                          cancelled=None, **search: Any):
+                          cancelled=None, guide=None, **search: Any):
         """``translate`` for sentences already encoded (``encode``): what the service calls per batch.
-        ``cancelled()``: asked between search batches; True stops there (the sentences not searched get None)."""
+        ``cancelled()``: asked between search batches; True stops there (the sentences not searched get None);
+        ``guide``: the sentences' :meth:`guidance`."""
         generator = self.generator_for(search)
         limit = self.max_source_tokens()
         if not self.gen_cfg.truncate_source:
@@ -157,12 +238,14 @@ class Translator:
                 if len(ids) > limit:
                     raise UserError(f"sources[{i}]: the source has {len(ids)} tokens but the model accepts at most "
                                     f"{limit}; shorten or split it, or load with truncate_source=True")
+        if guide:
+            generator.check_guide(sources, guide, 0, "sources")
         with self._lock:
             self._check_open()
             first, self._next_id = self._next_id, self._next_id + len(sources)
             out: list[Any] = [None] * len(sources)
             for i, hyps in generator.generate(sources, self.gen_cfg.max_tokens, self.gen_cfg.batch_size,
-                                              first_id=first, where="input"):
+                                              first_id=first, where="input", guide=guide):
                 out[i] = self._result(sources[i], hyps, generator.search_cfg, details or alignment, alignment)
                 if cancelled is not None and cancelled():
                     break
@@ -357,6 +440,20 @@ def _search_names() -> set[str]:
 def _given(options: dict[str, Any]) -> dict[str, Any]:
     """Options given in Python: the command line's spelling of a value (``None`` leaves the default)."""
     return {k: v for k, v in options.items() if v is not None}
+
+
+def shown_value(v: Any) -> str:
+    """A value in an error message, cut short."""
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _per_sentence(items: Any, n: int, what: str) -> list:
+    """One item per sentence: a list of ``n``."""
+    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence) or len(items) != n:
+        raise UserError(f"{what}: expected a list of {n} (one per sentence), got "
+                        f"{type(items).__name__}{f' of {len(items)}' if isinstance(items, Sequence) else ''}")
+    return list(items)
 
 
 def _lines(items: Any, what: str) -> list[str]:

@@ -4,6 +4,7 @@
 import attnmt.criterions  # noqa: F401
 import attnmt.data.subword  # noqa: F401
 import attnmt.generation.beam  # noqa: F401
+import attnmt.generation.constrained  # noqa: F401
 import attnmt.generation.sampling  # noqa: F401
 import attnmt.models.architectures  # noqa: F401
 import attnmt.models.transformer  # noqa: F401

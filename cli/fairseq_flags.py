@@ -29,8 +29,6 @@ INSTEAD = {
     "--sacrebleu": "attnmt score computes sacreBLEU by default; fairseq's tokenized BLEU is attnmt score --tokenized-bleu",
     "--replace-unk": "attnmt's subword models (SentencePiece, BPE) leave no unknown words in a translation to "
                      "replace from the source: " + DROP,
-    "--prefix-size": "attnmt's search does not force the first target tokens from the reference; to score given "
-                     "translations use --score-reference: " + DROP,
     "--min-lr": "fairseq's lower bound at which training stops (--stop-min-lr); attnmt stops at --max-update, "
                 "--max-epoch or --max-time-minutes, and its schedules never fall to 1e-9 before: " + DROP,
     "--stop-min-lr": "fairseq's lower bound at which training stops; attnmt stops at --max-update, --max-epoch or "

@@ -18,7 +18,7 @@ from attnmt.errors import UserError
 from attnmt.generation.alignment import STYLES
 from attnmt.generation.generator import GenerationConfig
 from attnmt.generation.options import generation_configs, search_option_classes
-from attnmt.generation.search import SearchConfig
+from attnmt.generation.search import Guidance, SearchConfig
 
 # fairseq-generate's defaults, for --fairseq (each only where the command line leaves it out)
 FAIRSEQ_GENERATE = {"beam": 5, "lenpen": 1.0, "lenpen_style": "fairseq", "early_stop": "beam", "max_len_a": 0.0,
@@ -48,6 +48,30 @@ def remove_bpe_option(command):
              "joins subword-nmt's '@@ ' pieces, --remove-bpe=sentencepiece merges SentencePiece pieces, another "
              "SYMBOL is removed with what follows it (fairseq's meaning). Models with attnmt's own subword model "
              "output words without it.")(command)
+
+
+def guidance_options(command):
+    """``--constraints [ordered|unordered]``, ``--prefix`` (TAB fields of the input lines) and ``--suppress``."""
+    command = click.option(
+        "--suppress", multiple=True, metavar="TEXT",
+        help="Never generate this text (segmented as the targets; repeat for more): CTranslate2's "
+             "suppress_sequences.")(command)
+    command = click.option(
+        "--prefix", "prefix_field", is_flag=True,
+        help="Each input line is SOURCE<TAB>PREFIX: the translation starts with the target PREFIX (forced, each "
+             "token keeping its log-probability; an empty field: no prefix).")(command)
+    return click.option(
+        "--constraints", type=click.Choice(["unordered", "ordered"]), is_flag=False, flag_value="unordered",
+        default=None, metavar="[unordered|ordered]",
+        help="fairseq's lexically constrained decoding: each input line is SOURCE<TAB>PHRASE<TAB>PHRASE...; every "
+             "translation contains every phrase (ordered: in the given order).")(command)
+
+
+def read_guidance(bundle, lines, prefix_field: bool, constraints: str | None, suppress, where: str, first: int = 0):
+    """The sources of ``lines`` and their guidance (:mod:`attnmt.generation.guidance`)."""
+    from attnmt.generation.guidance import LineGuidance, suppressed
+
+    return LineGuidance(prefix_field, constraints).split(lines, bundle, where, first, suppressed(bundle, suppress))
 
 
 def print_summary(command: str, generator, search_cfg: SearchConfig, start: float) -> None:
@@ -137,10 +161,15 @@ def _alignments(bundle, generator, source_ids, hyps, style: str) -> list[str]:
 @click.option("--score-reference", is_flag=True,
               help="fairseq's: score the references instead of translating: each becomes the hypothesis, with "
                    "its mean log-probability per token as the score and its per-token log-probabilities.")
+@click.option("--prefix-size", type=click.IntRange(min=0), default=0, show_default=True,
+              help="fairseq's: force the first N tokens of each reference (a DATA_BIN split's) as the translation's "
+                   "start.")
 @click.option("--quiet", is_flag=True, help="No progress and no summary on stderr.")
 @remove_bpe_option
+@guidance_options
 def command(data_bin, path, gen_subset, input_path, fmt, output, results_path, source_lang, target_lang,
-            fairseq_mode, print_alignment, skip_invalid, score_reference, quiet, remove_bpe, **params):
+            fairseq_mode, print_alignment, skip_invalid, score_reference, prefix_size, quiet, remove_bpe,
+            constraints, prefix_field, suppress, **params):
     """Translate DATA_BIN's --gen-subset, or raw text with --input, with the checkpoint --path.
 
     \b
@@ -192,14 +221,28 @@ def command(data_bin, path, gen_subset, input_path, fmt, output, results_path, s
             raise UserError(f"{flag} {given}: {bundle.path} translates {bundle.source_lang}->{bundle.target_lang} "
                             f"(a model translates one direction); drop {flag} or give that model's languages")
     try:
+        if (constraints or prefix_field) and input_path is None:
+            raise UserError("--constraints and --prefix read TAB fields of raw input lines: give --input FILE|- "
+                            "(for a DATA_BIN split, --prefix-size forces the references' first tokens)")
         if input_path is not None:
             where = "stdin" if input_path == "-" else input_path
             texts = read_lines(input_path, "input")
+            texts, guide = read_guidance(bundle, texts, prefix_field, constraints, suppress, where)
             sources, refs, ref_ids = bundle.encode_sources(texts), None, None
         else:
             where = f"{data_bin}/{gen_subset}"
             sources, refs, texts, ref_ids = _binarized_split(bundle, data_bin, gen_subset,
                                                              fairseq_refs=fairseq_mode)
+        if input_path is None:
+            from attnmt.generation.guidance import suppressed
+
+            guide = Guidance(suppress=suppressed(bundle, suppress))
+        if prefix_size:
+            if ref_ids is None:
+                raise UserError(f"--prefix-size forces the references' first tokens, and "
+                                f"{'--input has none' if input_path is not None else where + ' has no target side'}; "
+                                f"give a DATA_BIN split binarized with both languages")
+            guide.prefixes = [list(r[:-1][:prefix_size]) for r in ref_ids]
         if score_reference and ref_ids is None:
             raise UserError(f"--score-reference scores the references of a binarized split, and "
                             f"{'--input has none' if input_path is not None else where + ' has no target side'}; "
@@ -228,7 +271,7 @@ def command(data_bin, path, gen_subset, input_path, fmt, output, results_path, s
                                                gen_cfg.max_tokens, gen_cfg.batch_size, where, progress)
                 else:
                     results = generator.generate([sources[i] for i in keep], gen_cfg.max_tokens, gen_cfg.batch_size,
-                                                 where=where, progress=progress)
+                                                 where=where, progress=progress, guide=guide.subset(keep))
                 for j, hyps in results:
                     i = keep[j]
                     alignments = None

@@ -14,7 +14,7 @@ import time
 
 import click
 
-from attnmt.cli.generate import print_summary, remove_bpe_option
+from attnmt.cli.generate import guidance_options, print_summary, read_guidance, remove_bpe_option
 from attnmt.config import add_options
 from attnmt.errors import UserError
 from attnmt.generation.generator import GenerationConfig
@@ -66,8 +66,9 @@ def _segmentation(bundle, tokenizer: str | None, bpe: str | None, spm_model: str
                    "fairseq), --early-stop beam, at most 200 tokens (options given explicitly win).")
 @click.option("--quiet", is_flag=True, help="No summary on stderr.")
 @remove_bpe_option
+@guidance_options
 def command(data_dir, path, input_path, buffer_size, source_lang, target_lang, tokenizer, bpe, sentencepiece_model,
-            bpe_codes, fairseq_mode, quiet, remove_bpe, **params):
+            bpe_codes, fairseq_mode, quiet, remove_bpe, constraints, prefix_field, suppress, **params):
     """Translate raw sentences (stdin or --input) to fairseq-interactive's S-/W-/H-/D-/P- lines.
 
     \b
@@ -109,8 +110,10 @@ def command(data_dir, path, input_path, buffer_size, source_lang, target_lang, t
         try:
             for lines in line_batches(stream, buffer_size, "stdin" if input_path == "-" else input_path):
                 t0 = time.perf_counter()
+                where = "stdin" if input_path == "-" else input_path
+                lines, guide = read_guidance(bundle, lines, prefix_field, constraints, suppress, where, first)
                 results = dict(generator.generate(bundle.encode_sources(lines), gen_cfg.max_tokens,
-                                                  gen_cfg.batch_size, first_id=first, where="input"))
+                                                  gen_cfg.batch_size, first_id=first, where="input", guide=guide))
                 seconds = time.perf_counter() - t0
                 for i, line in enumerate(lines):
                     rows = format_result(first + i, results.get(i, []), bundle, "fairseq", source=line)

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import click
 
-from attnmt.cli.generate import print_summary, remove_bpe_option
+from attnmt.cli.generate import guidance_options, print_summary, read_guidance, remove_bpe_option
 from attnmt.config import add_options
 from attnmt.errors import UserError
 from attnmt.generation.generator import GenerationConfig
@@ -92,7 +92,8 @@ def line_batches(stream, limit: int, name: str = "stdin") -> Iterator[list[str]]
               help="plain: one translation per line; fairseq: S-/H-/D-/P- lines.")
 @click.option("--quiet", is_flag=True, help="No summary on stderr.")
 @remove_bpe_option
-def command(path, buffer_size, fmt, quiet, remove_bpe, **params):
+@guidance_options
+def command(path, buffer_size, fmt, quiet, remove_bpe, constraints, prefix_field, suppress, **params):
     """Translate raw sentences from stdin (one per line) to stdout with the checkpoint --path.
 
     \b
@@ -120,9 +121,10 @@ def command(path, buffer_size, fmt, quiet, remove_bpe, **params):
     out = sys.stdout
     try:
         for lines in line_batches(sys.stdin, buffer_size):
+            lines, guide = read_guidance(bundle, lines, prefix_field, constraints, suppress, "stdin", first)
             sources = bundle.encode_sources(lines)
             for i, hyps in generator.generate(sources, gen_cfg.max_tokens, gen_cfg.batch_size, first_id=first,
-                                              where="stdin"):
+                                              where="stdin", guide=guide):
                 write_lines(out, format_result(first + i, hyps, bundle, fmt, source=lines[i]))
             out.flush()
             first += len(lines)

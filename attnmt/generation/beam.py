@@ -54,7 +54,7 @@ class BeamSearch(SearchStrategy):
 
     def candidates(self, model, tokens, step, enc, cache, max_len, scores, sym, kernels):
         return next_token_extensions(model, tokens, step, enc, cache, max_len, scores, self.cfg.beam, self.cfg, sym,
-                                     kernels)
+                                     kernels, self.rules)
 
     def finishing(self, fin: Tensor) -> Tensor:
         if self.beam_stop:  # fairseq's rule: only EOS extensions among the `beam` best finish a hypothesis

@@ -13,8 +13,8 @@ candidates, rules, length limits and early stop, per sentence; only the other ro
 differ, so in fp32 the translations are the static search's (scores equal up to rounding); bf16 and int8 products
 round with the batch's shape (int8 quantizes each product's activations with one scale), as static batchings do.
 
-Beam search and greedy decoding (beam 1) of one model, without n-gram blocking or a rewarded unknown word
-(``--unkpen`` < 0); :func:`unsupported` says why another configuration is not taken (the caller then batches
+Beam search and greedy decoding (beam 1) of one model, without n-gram blocking, a repetition penalty or a rewarded
+unknown word (``--unkpen`` < 0), and without prefixes, constraints or suppressed sequences; :func:`unsupported` says why another configuration is not taken (the caller then batches
 statically).
 """
 
@@ -56,6 +56,8 @@ def unsupported(generator) -> str | None:
         return "--no-repeat-ngram-size"
     if cfg.unkpen < 0:
         return "a negative --unkpen"
+    if cfg.repetition_penalty != 1.0:
+        return "--repetition-penalty"
     if not hasattr(generator.model, "new_pool_cache"):
         return f"the model ({type(generator.model).__name__}; ensembles batch statically)"
     if generator.pool is not None:

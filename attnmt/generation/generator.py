@@ -27,12 +27,16 @@ from attnmt.data.batching import batch_by_size
 from attnmt.data.pairs import pad_sequences
 from attnmt.errors import UserError
 from attnmt.generation.search import (
+    Guidance,
     Hypothesis,
+    Rules,
     SearchConfig,
     Symbols,
     empty_translation,
+    max_lengths,
     nothing_to_translate,
     search,
+    step_log_probs,
 )
 
 
@@ -230,34 +234,91 @@ class Generator:
         raise UserError(f"{where}:{index + 1}: the source has {len(ids)} tokens but the model accepts at most "
                         f"{limit}; shorten or split the line, or pass --truncate-source")
 
-    def search_batch(self, sources: Sequence[Sequence[int]], ids: Sequence[int]) -> list[list[Hypothesis]]:
-        """Hypotheses for one batch of sources (each a list of ids with its final EOS), in the given order."""
+    def check_guide(self, sources: list[list[int]], guide: Guidance, first_id: int, where: str) -> None:
+        """A ``UserError`` naming the line whose prefix and constraints need more tokens than the search may
+        generate for it, or whose lists do not match the sources."""
+        for name in ("prefixes", "constraints"):
+            given = getattr(guide, name)
+            if given is not None and len(given) != len(sources):
+                raise UserError(f"{where}: {len(sources)} sources but {len(given)} {name}; give one per source")
+        if guide.constraints is not None and any(guide.constraints) and self.search_cfg.search not in ("beam", "constrained"):
+            raise UserError(f"constraints are searched by beam search, not --search {self.search_cfg.search}; drop "
+                            f"one of them")
+        lengths = torch.tensor([len(s) for s in sources])
+        limits = max_lengths(lengths, self.search_cfg, int(self.model.max_positions()[1])).tolist()
+        start = 1 if self.symbols.forced is not None else 0
+        for i, src in enumerate(sources):
+            prefix = guide.prefixes[i] if guide.prefixes is not None else []
+            phrases = guide.constraints[i] if guide.constraints is not None else []
+            need = start + len(prefix) + sum(len(p) for p in phrases)
+            if need > limits[i] and not nothing_to_translate(src, self.symbols.eos):
+                what = " and ".join(w for w, x in (("prefix", prefix), ("constraints", phrases)) if x)
+                raise UserError(f"{where}:{first_id + i + 1}: the {what} need {need - start} target tokens but at "
+                                f"most {limits[i] - start} may be generated for this source; shorten them or raise "
+                                f"--max-len-a/--max-len-b")
+
+    def search_batch(self, sources: Sequence[Sequence[int]], ids: Sequence[int],
+                     guide: Guidance | None = None) -> list[list[Hypothesis]]:
+        """Hypotheses for one batch of sources (each a list of ids with its final EOS), in the given order;
+        ``guide``: the batch's prefixes, constraints and suppressed sequences (per sentence, in that order)."""
         tokens, lengths = collate(sources, self.symbols.pad, self.device)
         sample_ids = torch.as_tensor(list(ids), dtype=torch.long, device=self.device)
         cfg, kernels = self.search_cfg, self.backend.decoding_kernels()
+        guide = guide if guide else None
         with torch.inference_mode(), self.autocast(), _gc_paused():
             if not cfg.mbr_samples:
-                return search(self.model, tokens, lengths, cfg, self.symbols, sample_ids, kernels=kernels)
+                return search(self.model, tokens, lengths, cfg, self.symbols, sample_ids, kernels=kernels,
+                              guide=guide)
             from attnmt.generation import mbr
 
             beams = search(self.model, tokens, lengths, replace(cfg, nbest=cfg.beam, mbr_samples=0), self.symbols,
-                           sample_ids, kernels=kernels)
+                           sample_ids, kernels=kernels, guide=guide)
             samples = search(self.model, tokens, lengths, mbr.sampling_config(cfg), self.symbols, sample_ids,
-                             kernels=kernels)
+                             kernels=kernels, guide=guide)
         return [mbr.rerank(h, s, self.target_text, cfg.nbest) for h, s in zip(beams, samples)]
 
-    def _search_batches(self, checked: list[list[int]], batches: list[list[int]],
-                        first_id: int) -> Iterator[tuple[list[int], list[list[Hypothesis]]]]:
+    def alternatives(self, source: list[int], prefix: list[int], n: int, min_prob: float = 0.0,
+                     suppress: tuple[tuple[int, ...], ...] = ()) -> list[Hypothesis]:
+        """CTranslate2's ``return_alternatives``: the ``n`` most probable tokens after the target ``prefix`` (each at
+        least ``min_prob`` likely; never EOS), each continued by the search (one hypothesis each), in the order of
+        those tokens' probabilities."""
+        sym = self.symbols
+        lead = [sym.forced] if sym.forced is not None else []
+        with torch.inference_mode(), self.autocast():
+            src, lengths = collate([source], sym.pad, self.device)
+            prev = torch.tensor([[sym.first, *lead, *prefix]], device=self.device)
+            logits = self.model.decode(prev, self.model.encode(src, lengths))[0, -1:]
+            limit = max_lengths(lengths, self.search_cfg, int(self.model.max_positions()[1]))
+            cfg = replace(self.search_cfg, min_len=max(self.search_cfg.min_len, len(lead) + len(prefix) + 1))
+            lprobs = step_log_probs(logits, len(lead) + len(prefix), limit, prev[:, 1:], cfg, sym,
+                                    rules=Rules(Guidance(suppress=suppress), 1, 1, sym, self.device))[0]
+        top = lprobs.topk(min(n, lprobs.numel()))
+        picks = [int(t) for v, t in zip(top.values.tolist(), top.indices.tolist())
+                 if v > float("-inf") and math.exp(v) >= min_prob]
+        if not picks:
+            return []
+        one = replace(self.search_cfg, nbest=1)
+        gen = Generator(self.model, sym, one, self.backend, self.max_source_positions, self.truncate_source,
+                        self.target_text)
+        gen.stats = self.stats
+        guide = Guidance(prefixes=[[*prefix, t] for t in picks], suppress=suppress)
+        return [h[0] for _, h in gen.generate([source] * len(picks), guide=guide) if h]
+
+    def _search_batches(self, checked: list[list[int]], batches: list[list[int]], first_id: int,
+                        guide: Guidance | None) -> Iterator[tuple[list[int], list[list[Hypothesis]]]]:
         """``(batch, hypotheses)`` per batch: here one after the other, or by the workers as they finish."""
+        def part(b):
+            return guide.subset(b) if guide else None
+
         if self.pool is None:
             for batch in batches:
                 t0 = time.perf_counter()
-                hyps = self.search_batch([checked[i] for i in batch], [first_id + i for i in batch])
+                hyps = self.search_batch([checked[i] for i in batch], [first_id + i for i in batch], part(batch))
                 self.stats.seconds += time.perf_counter() - t0
                 yield batch, hyps
             return
         t0 = time.perf_counter()
-        tasks = ((k, [checked[i] for i in b], [first_id + i for i in b]) for k, b in enumerate(batches))
+        tasks = ((k, [checked[i] for i in b], [first_id + i for i in b], part(b)) for k, b in enumerate(batches))
         for k, hyps in self.pool.map_unordered(tasks):
             self.stats.seconds += time.perf_counter() - t0  # wall time: the workers search side by side
             t0 = time.perf_counter()
@@ -265,12 +326,14 @@ class Generator:
         self.stats.seconds += time.perf_counter() - t0
 
     def generate(self, sources: Sequence[Sequence[int]], max_tokens: int | None = 0, batch_size: int | None = None,
-                 first_id: int = 0, where: str = "input",
-                 progress=None) -> Iterator[tuple[int, list[Hypothesis]]]:
+                 first_id: int = 0, where: str = "input", progress=None,
+                 guide: Guidance | None = None) -> Iterator[tuple[int, list[Hypothesis]]]:
         """Yield ``(index, hypotheses)`` for every source, in input order, as soon as each can be released.
 
         ``first_id`` numbers the sources (it seeds sampling per sentence, so a continuing stream keeps counting);
-        ``where`` names the input in error messages; ``progress(n)`` is called after each batch of ``n`` sentences.
+        ``where`` names the input in error messages; ``progress(n)`` is called after each batch of ``n`` sentences;
+        ``guide``: target prefixes and constraints per source (lists aligned with ``sources``) and suppressed
+        sequences (:class:`~attnmt.generation.search.Guidance`).
         A source with nothing to translate (an empty or blank line) gets the empty translation without a search.
         """
         if max_tokens == 0:
@@ -279,6 +342,8 @@ class Generator:
             if cfg.mbr_samples > cfg.beam:  # the device's batch holds the samples' rows, not only the beam's
                 max_tokens = max(1, max_tokens * cfg.beam // cfg.mbr_samples)
         checked = [self.check_length(list(map(int, s)), first_id + i, where) for i, s in enumerate(sources)]
+        if guide:
+            self.check_guide(checked, guide, first_id, where)
         eos = self.symbols.eos
         blank = [nothing_to_translate(s, eos) for s in checked]
         todo = [i for i, b in enumerate(blank) if not b]
@@ -290,7 +355,7 @@ class Generator:
         batches = [[todo[j] for j in b] for b in make_batches([len(checked[i]) for i in todo], max_tokens,
                                                                 batch_size, workers)]
         next_out = 0
-        searched = self._search_batches(checked, batches, first_id)
+        searched = self._search_batches(checked, batches, first_id, guide)
         for batch, hyps in itertools.chain([([], [])], searched):  # a first round releases the leading blanks
             self.stats.sentences += len(batch)
             self.stats.source_tokens += sum(len(checked[i]) for i in batch)

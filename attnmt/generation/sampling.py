@@ -152,7 +152,7 @@ class Sampling(SearchStrategy):
 
     def candidates(self, model, tokens, step, enc, cache, max_len, scores, sym, kernels):
         logits = model.decode(tokens[:, step:step + 1], enc, cache)[:, -1]
-        lprobs = step_log_probs(logits, step, max_len, tokens[:, 1:step + 1], self.cfg, sym)
+        lprobs = step_log_probs(logits, step, max_len, tokens[:, 1:step + 1], self.cfg, sym, rules=self.rules)
         choice = _draw(lprobs / self.opts.temperature, self.keys, step, self.opts.sampling_topk,
                        self.opts.sampling_topp)
         lp = lprobs.gather(1, choice[:, None])[:, 0]

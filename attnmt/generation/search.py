@@ -71,6 +71,10 @@ class SearchConfig:
     nbest: int = field(default=1, metadata={"min": 1, "help": "Output this many hypotheses per sentence (at most --beam)."})
     unkpen: float = field(default=0.0, metadata={"help": "Subtract this from the log-probability of the unknown word."})
     no_repeat_ngram_size: int = field(default=0, metadata={"min": 0, "help": "Never repeat an n-gram of this size (0: off)."})
+    disable_unk: bool = field(default=False, metadata={"help": "Never generate the unknown word."})
+    repetition_penalty: float = field(default=1.0, metadata={"help":
+        "Penalize tokens the hypothesis already holds (CTRL's, as CTranslate2 and transformers): their logit is "
+        "divided by this where positive, multiplied where negative (1: off; > 1 discourages repeats)."})
     sampling: bool = field(default=False, metadata={"help": "Sample from the model instead of searching (fairseq's "
                                                             "spelling of --search sampling)."})
     mbr_samples: int = field(default=0, metadata={"min": 0, "max": 1024, "help":
@@ -92,6 +96,8 @@ class SearchConfig:
         if self.max_len_a == 0 and self.min_len > self.max_len_b:
             raise ValueError(f"--min-len {self.min_len} is above the length limit --max-len-b {self.max_len_b} "
                              f"(with --max-len-a 0); lower --min-len or raise --max-len-b")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"--repetition-penalty must be a positive number, got {self.repetition_penalty}")
         if self.no_repeat_ngram_size < 0:
             raise ValueError(f"--no-repeat-ngram-size must not be negative, got {self.no_repeat_ngram_size}")
         if not math.isfinite(self.lenpen):
@@ -163,6 +169,114 @@ def empty_translation(eos: int, nbest: int) -> list[Hypothesis]:
     """The hypotheses of a source with nothing to translate: the empty text, of log-probability 0, ``nbest``
     times, so that every sentence keeps its ``nbest`` output lines."""
     return [Hypothesis(tokens=[eos], score=0.0, positional_scores=[0.0]) for _ in range(nbest)]
+
+
+@dataclass
+class Guidance:
+    """What a translator asks of one batch's search beyond :class:`SearchConfig` (every field may be empty).
+
+    ``prefixes``: per sentence, target ids its hypotheses must start with (after a model's forced first token),
+    each keeping its log-probability under the model (fairseq's ``--prefix-size``, CTranslate2's
+    ``target_prefix``); ``constraints``: per sentence, target phrases (id lists) every hypothesis must contain
+    (searched by the ``constrained`` strategy), in the given order with ``ordered``, else in any order;
+    ``suppress``: id sequences no hypothesis may contain (CTranslate2's ``suppress_sequences``)."""
+
+    prefixes: list[list[int]] | None = None
+    constraints: list[list[list[int]]] | None = None
+    suppress: tuple[tuple[int, ...], ...] = ()
+    ordered: bool = False
+
+    def subset(self, idx: Sequence[int]) -> Guidance:
+        """The guidance of the sentences ``idx`` (in that order)."""
+        def pick(xs):
+            return None if xs is None else [xs[i] for i in idx]
+        return Guidance(pick(self.prefixes), pick(self.constraints), self.suppress, self.ordered)
+
+    def __bool__(self) -> bool:
+        return bool(self.suppress) or any(self.prefixes or ()) or any(self.constraints or ())
+
+
+class Rules:
+    """The per-row rules of a running search from its :class:`Guidance`: each row's forced tokens (a row tensor
+    reordered with the rows, as the tokens are) and the suppressed sequences.
+
+    ``forced`` (R, P): the token row r must generate at step j (-1: none), P the longest prefix (with a model's
+    forced first token, column 0 is left to that rule); ``banned`` (V,)-indexable ids of one-token suppressed
+    sequences (every row alike: a token bias); ``patterns``: the longer ones, by length."""
+
+    def __init__(self, guide: Guidance | None, batch: int, rows_per_sentence: int, sym: Symbols, device):
+        guide = guide or Guidance()
+        start = 1 if sym.forced is not None else 0
+        self.forced: Tensor | None = None
+        prefixes = guide.prefixes or []
+        if any(prefixes):
+            width = start + max(len(p) for p in prefixes)
+            forced = torch.full((batch, width), -1, dtype=torch.long)
+            for b, p in enumerate(prefixes):
+                if p:
+                    forced[b, start:start + len(p)] = torch.tensor(p, dtype=torch.long)
+            self.forced = forced.repeat_interleave(rows_per_sentence, dim=0).to(device)
+        self.banned = sorted({s[0] for s in guide.suppress if len(s) == 1})
+        by_len: dict[int, list[tuple[int, ...]]] = {}
+        for s in guide.suppress:
+            if len(s) > 1:
+                by_len.setdefault(len(s), []).append(tuple(s))
+        self.patterns = {n: torch.tensor(sorted(set(v)), dtype=torch.long, device=device)
+                         for n, v in sorted(by_len.items())}
+
+    def per_row(self, step: int, cfg: SearchConfig) -> bool:
+        """Whether rules that differ between rows apply at ``step`` (which the score kernel cannot take)."""
+        forced_now = self.forced is not None and step < self.forced.size(1)
+        return forced_now or bool(self.patterns) or cfg.repetition_penalty != 1.0
+
+    def reorder(self, order: Tensor) -> None:
+        """The rows ``order`` continue (the loop's reordering of the tokens)."""
+        if self.forced is not None:
+            self.forced = self.forced[order]
+
+    def rows(self, sl: slice) -> Rules:
+        """These rules for the rows ``sl`` of the batch (a block of the score projection)."""
+        part = object.__new__(Rules)
+        part.forced = None if self.forced is None else self.forced[sl]
+        part.banned, part.patterns = self.banned, self.patterns
+        return part
+
+
+def _apply_rules(lprobs: Tensor, step: int, generated: Tensor | None, rules: Rules) -> None:
+    """Bar the last token of every suppressed sequence whose other tokens end a row; force each row's prefix
+    token at this step (keeping its log-probability: a prefix wins over the suppressed sequences), in place."""
+    forced = None
+    if rules.forced is not None and step < rules.forced.size(1):
+        tok = rules.forced[:, step]
+        rows = (tok >= 0).nonzero(as_tuple=True)[0]
+        if rows.numel():
+            forced = rows, tok[rows], lprobs[rows, tok[rows]].clone()
+    if rules.banned:
+        lprobs[:, rules.banned] = NEG_INF
+    if generated is not None:
+        length = generated.size(1)
+        for n, pats in rules.patterns.items():  # (M, n)
+            if length < n - 1:
+                continue
+            tail = generated[:, length - n + 1:]  # (R, n - 1)
+            hit = (tail[:, None, :] == pats[None, :, :-1]).all(dim=2)  # (R, M)
+            rows, m = hit.nonzero(as_tuple=True)
+            if rows.numel():
+                lprobs[rows, pats[m, -1]] = NEG_INF
+    if forced is not None:
+        rows, tok, keep = forced
+        lprobs[rows] = NEG_INF
+        lprobs[rows, tok] = keep
+
+
+def _penalize_repeats(logits: Tensor, generated: Tensor, penalty: float) -> Tensor:
+    """CTRL's repetition penalty (Keskar et al. 2019) on the logits of the tokens each row already holds."""
+    logits = logits.float().clone()
+    if generated.size(1) == 0:
+        return logits
+    seen = logits.gather(1, generated)
+    logits.scatter_(1, generated, torch.where(seen > 0, seen / penalty, seen * penalty))
+    return logits
 
 
 # ------------------------------------------------------------------------------------------------ scoring
@@ -252,18 +366,23 @@ def _block_ngram_repeats(lprobs: Tensor, generated: Tensor, n: int) -> None:
 
 
 def step_log_probs(logits: Tensor, step: int | Tensor, max_len: Tensor, generated: Tensor | None, cfg: SearchConfig,
-                   sym: Symbols, keep_bf16: bool = False) -> Tensor:
+                   sym: Symbols, keep_bf16: bool = False, rules: Rules | None = None) -> Tensor:
     """Log-probabilities of the next token under the search's rules.
 
     ``logits``: (R, V) for the token at position ``step`` (0-based count of tokens generated so far; or (R,), each
     row's, when the rows are at different steps: no n-gram blocking then);
     ``max_len``: (R,) per-row limits; ``generated``: (R, step) the tokens so far. Padding (and BOS) never appear,
     ``--unkpen`` is subtracted from the unknown word, EOS is barred before ``--min-len`` and forced at ``max_len``;
-    a first token the model forces (``Symbols.forced``) is the only one at step 0.
+    a first token the model forces (``Symbols.forced``) is the only one at step 0; ``--disable-unk`` bars the
+    unknown word and ``--repetition-penalty`` lowers the logits of tokens already generated; ``rules`` (the
+    batch's :class:`Rules`) bar suppressed sequences and force prefix tokens (each keeps its log-probability; the
+    length limit still wins).
     The result is float32, or with ``keep_bf16`` and bf16 logits, bf16: the softmax is computed in float32 either
     way, and rounding its result to bf16 (relative error 2^-9) halves the cost of this step, the costliest after
     the output projection, while the logits of a bf16 model carry larger errors already.
     """
+    if cfg.repetition_penalty != 1.0 and generated is not None:
+        logits = _penalize_repeats(logits, generated, cfg.repetition_penalty)
     if keep_bf16 and logits.dtype == torch.bfloat16:
         lprobs = torch.log_softmax(logits, dim=-1)
     else:
@@ -273,9 +392,13 @@ def step_log_probs(logits: Tensor, step: int | Tensor, max_len: Tensor, generate
         lprobs[:, sym.bos] = NEG_INF
     if cfg.unkpen:
         lprobs[:, sym.unk] -= cfg.unkpen
+    if cfg.disable_unk:
+        lprobs[:, sym.unk] = NEG_INF
     if cfg.no_repeat_ngram_size:
         _block_ngram_repeats(lprobs, generated, cfg.no_repeat_ngram_size)
     eos_lp = lprobs[:, sym.eos].clone()
+    if rules is not None and not isinstance(step, Tensor):
+        _apply_rules(lprobs, step, generated, rules)
     if isinstance(step, Tensor):
         lprobs[:, sym.eos].masked_fill_(step < cfg.min_len, NEG_INF)
     elif step < cfg.min_len:
@@ -306,18 +429,24 @@ def block_maxima(x: Tensor, n: int, nonpositive: bool) -> Tensor:
     return x.unflatten(1, (n, -1)).amax(dim=2)
 
 
-def token_bias(vocab: int, step: int, cfg: SearchConfig, sym: Symbols, device: torch.device) -> Tensor:
+def token_bias(vocab: int, step: int, cfg: SearchConfig, sym: Symbols, device: torch.device,
+               banned: Sequence[int] = ()) -> Tensor:
     """The rules of :func:`step_log_probs` that apply to every row alike, as one float32 value per token added to
-    the log-probabilities: -inf for padding and BOS, ``-unkpen`` for the unknown word, -inf for EOS before
-    ``--min-len``."""
+    the log-probabilities: -inf for padding and BOS, ``-unkpen`` for the unknown word (-inf with
+    ``--disable-unk``), -inf for EOS before ``--min-len`` and for the ``banned`` tokens (suppressed one-token
+    sequences)."""
     bias = torch.zeros(vocab, device=device)
     bias[sym.pad] = NEG_INF
     if sym.bos is not None and sym.bos != sym.eos:
         bias[sym.bos] = NEG_INF
     if cfg.unkpen:
         bias[sym.unk] -= cfg.unkpen
+    if cfg.disable_unk:
+        bias[sym.unk] = NEG_INF
     if step < cfg.min_len:
         bias[sym.eos] = NEG_INF
+    if banned:
+        bias[list(banned)] = NEG_INF
     return bias
 
 
@@ -397,13 +526,13 @@ def _normalize_in_kernel(logits: Tensor, step: int | Tensor, per: int, beam: int
     rules that are the same for every row (no n-gram blocking, no row at its length limit), and a row per
     hypothesis (every step but the first)."""
     return (kernels.scores is not None and kernels.blockwise_topk and per == beam and not cfg.no_repeat_ngram_size
-            and logits.size(1) // TOPK_BLOCK > min(2 * beam, beam * logits.size(1))
+            and cfg.repetition_penalty == 1.0 and logits.size(1) // TOPK_BLOCK > min(2 * beam, beam * logits.size(1))
             and kernels.scores.supports(logits) and not bool((max_len <= step).any()))
 
 
 def next_token_extensions(model, tokens: Tensor, step: int, enc, cache, max_len: Tensor, scores: Tensor,
-                          beam: int, cfg: SearchConfig, sym: Symbols,
-                          kernels: DecodingKernels = DecodingKernels()) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                          beam: int, cfg: SearchConfig, sym: Symbols, kernels: DecodingKernels = DecodingKernels(),
+                          rules: Rules | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Decode one step and return ``best_extensions`` of every sentence under the search's rules.
 
     ``tokens`` (R, T): column ``step`` holds each row's newest token; ``max_len`` (R,): per-row limits; ``scores``
@@ -413,17 +542,18 @@ def next_token_extensions(model, tokens: Tensor, step: int, enc, cache, max_len:
     step, memory that is mapped afresh and zeroed by the kernel at every step, while small blocks are reused and
     stay in cache; a GPU takes the whole batch at once. Each sentence's numbers are the same either way.
     ``kernels``: the backend's row padding, score blocks, candidate selection and score precision
-    (``Backend.decoding_kernels``).
+    (``Backend.decoding_kernels``); ``rules``: the batch's per-row :class:`Rules`.
     """
     per = 1 if step == 0 else beam  # the first step decodes one row per sentence: its hypotheses start alike
     prev = tokens[::beam // per, step:step + 1]
     feats = model.decode_features(prev, enc, cache)[:, -1]  # (R or A, D)
-    return score_extensions(model, feats, step, max_len, tokens[:, 1:step + 1], scores, beam, cfg, sym, kernels, per)
+    return score_extensions(model, feats, step, max_len, tokens[:, 1:step + 1], scores, beam, cfg, sym, kernels, per,
+                            rules)
 
 
 def score_extensions(model, feats: Tensor, step: int | Tensor, max_len: Tensor, generated: Tensor | None,
                      scores: Tensor, beam: int, cfg: SearchConfig, sym: Symbols, kernels: DecodingKernels,
-                     per: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                     per: int | None = None, rules: Rules | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``best_extensions`` of decoder features ``feats`` under the search's rules, projected to the vocabulary a
     block of rows at a time (see :func:`next_token_extensions`).
 
@@ -446,17 +576,19 @@ def score_extensions(model, feats: Tensor, step: int | Tensor, max_len: Tensor, 
         logits = model.output_layer(block)[: b - a]
         st = step if isinstance(step, int) else step[lo:hi:every]
         forced_now = sym.forced is not None and bool((st == 0).any() if isinstance(st, Tensor) else st == 0)
+        block_rules = None if rules is None else rules.rows(slice(lo, hi, every))
+        forced_now = forced_now or (rules is not None and isinstance(st, int) and rules.per_row(st, cfg))
         if not forced_now and _normalize_in_kernel(logits, st, per, beam, max_len[lo:hi], cfg, kernels):
             if bias is None:  # with per-row steps, EOS is barred per row below
                 bias = token_bias(logits.size(1), step if isinstance(step, int) else cfg.min_len, cfg, sym,
-                                  logits.device)
+                                  logits.device, () if rules is None else rules.banned)
             maxima, lse = kernels.scores.logsumexp_blocks(logits, bias, TOPK_BLOCK)
             no_eos = None if isinstance(st, int) else _bar_eos(logits, st, maxima, bias, cfg.min_len, sym.eos)
             parts.append(best_extensions(logits, scores[lo:hi], beam,
                                          normalizer=Normalizer(bias, maxima, lse, no_eos, sym.eos)))
             continue
         lprobs = step_log_probs(logits, st, max_len[lo:hi:every], None if generated is None else generated[lo:hi:every],
-                                cfg, sym, keep_bf16=kernels.low_precision_scores)
+                                cfg, sym, keep_bf16=kernels.low_precision_scores, rules=block_rules)
         if per != beam:
             lprobs = lprobs.repeat_interleave(beam // per, dim=0)
         parts.append(best_extensions(lprobs, scores[lo:hi], beam, cfg.unkpen >= 0, kernels.blockwise_topk,
@@ -563,9 +695,22 @@ class SearchStrategy:
     """
 
     units_per_sentence = 1
+    rules: Rules | None = None  # the batch's per-row rules (set by the loop before start): pass to step_log_probs
 
     def __init__(self, cfg: SearchConfig):
         self.cfg = cfg
+
+    def guide(self, guide: Guidance, sym: Symbols, max_len: Tensor) -> None:
+        """Check the batch's guidance before the search starts (``max_len``: per sentence, the token limit);
+        raise ValueError naming the sentence (0-based in the batch) where it cannot be followed."""
+        if guide.constraints is not None and any(guide.constraints):
+            raise ValueError(f"--search {self.cfg.search} does not take constraints; constrained decoding runs "
+                             f"beam search (--search beam)")
+        start = 1 if sym.forced is not None else 0
+        for b, p in enumerate(guide.prefixes or ()):
+            if p and start + len(p) > int(max_len[b]):
+                raise ValueError(f"sentence {b}: its prefix has {len(p)} tokens but at most {int(max_len[b]) - start} "
+                                 f"may be generated; shorten it or raise --max-len-a/--max-len-b")
 
     def rows_per_unit(self) -> int:
         """Live hypotheses per unit (the beam)."""
@@ -585,7 +730,7 @@ class SearchStrategy:
         """Decode step ``step`` (column ``step`` of ``tokens`` (R, T) holds each row's newest token) and return
         every unit's candidate extensions (:meth:`step` of the log-probabilities under the search's rules)."""
         logits = model.decode(tokens[:, step:step + 1], enc, cache)[:, -1]
-        lprobs = step_log_probs(logits, step, max_len, tokens[:, 1:step + 1], self.cfg, sym)
+        lprobs = step_log_probs(logits, step, max_len, tokens[:, 1:step + 1], self.cfg, sym, rules=self.rules)
         return self.step(step, lprobs, scores)
 
     def step(self, step: int, lprobs: Tensor, scores: Tensor) -> Extensions:
@@ -609,17 +754,21 @@ class SearchStrategy:
     def keep_units(self, keep: Tensor) -> None:
         """The units ``keep`` stay (in that order): drop the strategy's state of the others."""
 
+    def chosen(self, sel: Tensor) -> None:
+        """The step's candidates that stay live: ``sel`` (A, K), per unit, the indices of its candidates (those
+        :meth:`candidates` returned) the K rows continue, in row order."""
+
     def __call__(self, model: SearchModel, src_tokens: Tensor, src_lengths: Tensor, sym: Symbols,
-                 sample_ids: Tensor | None = None,
-                 kernels: DecodingKernels = DecodingKernels()) -> list[list[Hypothesis]]:
+                 sample_ids: Tensor | None = None, kernels: DecodingKernels = DecodingKernels(),
+                 guide: Guidance | None = None) -> list[list[Hypothesis]]:
         """Per sentence of the right-padded batch, its ``cfg.nbest`` hypotheses, best first."""
-        return run_search(self, model, src_tokens, src_lengths, sym, sample_ids, kernels)
+        return run_search(self, model, src_tokens, src_lengths, sym, sample_ids, kernels, guide)
 
 
 @torch.inference_mode()
 def run_search(strategy: SearchStrategy, model: SearchModel, src_tokens: Tensor, src_lengths: Tensor,
-               sym: Symbols, sample_ids: Tensor | None = None,
-               kernels: DecodingKernels = DecodingKernels()) -> list[list[Hypothesis]]:
+               sym: Symbols, sample_ids: Tensor | None = None, kernels: DecodingKernels = DecodingKernels(),
+               guide: Guidance | None = None) -> list[list[Hypothesis]]:
     """The search loop every strategy runs (see :class:`SearchStrategy`).
 
     Each step takes the units' candidate extensions: the EOS ones (those the strategy lets finish) become
@@ -632,6 +781,9 @@ def run_search(strategy: SearchStrategy, model: SearchModel, src_tokens: Tensor,
     B, U, K = src_tokens.size(0), strategy.units_per_sentence, strategy.rows_per_unit()
     A = B * U
     max_len = max_lengths(src_lengths.to(dev), cfg, max_target_positions(model))  # per unit
+    guide = guide or Guidance()
+    strategy.guide(guide, sym, max_len)
+    strategy.rules = Rules(guide, B, U * K, sym, dev) if guide else None
     if U > 1:
         max_len = max_len.repeat_interleave(U)
     enc, cache = strategy.start(model, src_tokens, src_lengths, kernels, sample_ids)
@@ -659,6 +811,7 @@ def run_search(strategy: SearchStrategy, model: SearchModel, src_tokens: Tensor,
         sel = (is_eos.long() * C + torch.arange(C, device=dev)).topk(K, dim=1, largest=False).indices
         new_s, new_tok, new_lp = top_s.gather(1, sel), tok.gather(1, sel), top_lp.gather(1, sel)
         src_rows = (arange_a * K)[:, None] + beam_i.gather(1, sel)
+        strategy.chosen(sel)
         done = strategy.done(step, new_s[:, 0], fin, max_len, kth_best)
         keep = None
         if bool(done.any()):
@@ -675,6 +828,8 @@ def run_search(strategy: SearchStrategy, model: SearchModel, src_tokens: Tensor,
         if K > 1 or keep is not None:  # with one row per unit and none leaving, every row continues itself
             tokens, pos_scores = tokens[order], pos_scores[order]
             enc, cache = model.reorder(enc, cache, order, keep)
+            if strategy.rules is not None:
+                strategy.rules.reorder(order)
         tokens[:, step + 1] = new_tok.reshape(-1)
         pos_scores[:, step] = new_lp.reshape(-1)
         scores = new_s
@@ -682,17 +837,22 @@ def run_search(strategy: SearchStrategy, model: SearchModel, src_tokens: Tensor,
 
 
 def search(model: SearchModel, src_tokens: Tensor, src_lengths: Tensor, cfg: SearchConfig, sym: Symbols,
-           sample_ids: Tensor | None = None, kernels: DecodingKernels = DecodingKernels()) -> list[list[Hypothesis]]:
+           sample_ids: Tensor | None = None, kernels: DecodingKernels = DecodingKernels(),
+           guide: Guidance | None = None) -> list[list[Hypothesis]]:
     """Translate a batch of right-padded sources with the strategy ``cfg.search``; per sentence, its ``cfg.nbest``
     hypotheses, best first.
 
     ``sample_ids`` (one id per sentence, e.g. its input line) seed ``--sampling`` per sentence, so that a sample
     does not depend on batching; other searches ignore them. ``kernels``: how the device runs a step
     (``Backend.decoding_kernels``: row padding, candidate selection, score precision); the row padding and the
-    candidate selection never change a result.
+    candidate selection never change a result. ``guide``: prefixes, constraints and suppressed sequences
+    (:class:`Guidance`); sentences with constraints are searched by the ``constrained`` strategy.
     """
     from attnmt.registry import get, load_builtins
 
     load_builtins()
-    strategy = get("search", cfg.search).obj
-    return strategy(cfg)(model, src_tokens, src_lengths, sym, sample_ids=sample_ids, kernels=kernels)
+    name = cfg.search
+    if guide is not None and guide.constraints is not None and any(guide.constraints) and name == "beam":
+        name = "constrained"
+    strategy = get("search", name).obj
+    return strategy(cfg)(model, src_tokens, src_lengths, sym, sample_ids=sample_ids, kernels=kernels, guide=guide)

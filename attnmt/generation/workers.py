@@ -67,9 +67,9 @@ def _work(search_batch: Callable | None, load: Callable | None, threads: int, ta
         task = tasks.get()
         if task is None:
             return
-        key, sources, ids = task
+        key, sources, ids, guide = task
         try:
-            hyps = search_batch(sources, ids)
+            hyps = search_batch(sources, ids, guide)
         except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
             results.put(("error", pid, _peak_rss_mb(), key, traceback.format_exc()))
             continue

@@ -5,7 +5,10 @@ Routes:
 * ``POST /translate``: LibreTranslate's request and answer (``q``: a string or a list; ``source``, ``target``,
   ``format``, ``alternatives``; JSON or a form) -> ``{"translatedText": ...}``.
 * ``POST /v1/translate``: ``{"text": str | [str], "nbest": n, "scores": bool, "alignment": bool}`` ->
-  ``{"translations": [{"text", "score", "tokens", "positional_scores", "hypotheses", "alignment"}]}``.
+  ``{"translations": [{"text", "score", "tokens", "positional_scores", "hypotheses", "alignment"}]}``; steering
+  (per sentence for a list of texts): ``"prefix"`` (the target start), ``"constraints"`` (phrases every
+  hypothesis contains; ``"constraint_order": "ordered"``), ``"suppress"`` (texts never written),
+  ``"return_alternatives"`` (the ``nbest`` continuations at the end of the prefix).
 * ``GET /languages`` (LibreTranslate's), ``GET /health``, ``GET /metrics`` (Prometheus; ``?format=json``),
   ``GET /`` (a page to try sentences, with the attention map).
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import itertools
 import json
 import logging
 import re
@@ -46,6 +50,7 @@ from attnmt.serve.metrics import Metrics
 
 log = logging.getLogger("attnmt.serve")
 
+MAX_PHRASES = 16  # constraint phrases per sentence, suppressed texts per request
 CLIENT_GONE = 499  # nginx's status for a client that closed its connection before the answer
 
 
@@ -85,6 +90,7 @@ class Service:
         self.stop_at: float | None = None  # set when a signal asked to stop: in-flight requests wait until then
         self.access = Access(cfg.api_keys, cfg.req_limit)
         self._continuous: dict[str, bool] = {}  # search options -> batched continuously
+        self._steered = itertools.count()  # numbers the requests with guidance: each is batched alone
         model_limit = translator.max_source_tokens()
         self.max_tokens = min(cfg.max_sentence_tokens or model_limit, model_limit)
 
@@ -209,6 +215,57 @@ class Service:
             raise BadRequest(400, f"'{name}' is {value}; give {low} to {high}")
         return value
 
+    def steering(self, data: dict, n: int, single: bool) -> dict | None:
+        """The prefix, constraints, suppressed texts and ``return_alternatives`` of a request, checked for shape
+        and size (their pieces are checked when tokenized); None when it has none."""
+        names = ("prefix", "constraints", "constraint_order", "suppress", "return_alternatives")
+        if not any(data.get(k) is not None for k in names):
+            return None
+        steer: dict[str, Any] = {"return_alternatives": self.flag(data, "return_alternatives")}
+        chars = 0
+
+        def text(v, where: str) -> str:
+            nonlocal chars
+            if not isinstance(v, str) or "\n" in v or "\r" in v:
+                raise BadRequest(400, f"'{where}' must be a string on one line, got {shown(v)}")
+            chars += len(v)
+            return v
+
+        def per_sentence(v, name: str) -> list:
+            if single and not (isinstance(v, list) and v and isinstance(v[0], list) and name == "constraints"):
+                v = [v]
+            if not isinstance(v, list) or len(v) != n:
+                raise BadRequest(400, f"'{name}' must hold one item per sentence of 'text' ({n}), got {shown(v)}")
+            return v
+
+        prefix = data.get("prefix")
+        if prefix is not None:
+            steer["prefix"] = [None if p is None else text(p, "prefix") for p in per_sentence(prefix, "prefix")]
+        constraints = data.get("constraints")
+        if constraints is not None:
+            items = per_sentence(constraints, "constraints")
+            out = []
+            for i, c in enumerate(items):
+                if c is None:
+                    c = []
+                if not isinstance(c, list) or len(c) > MAX_PHRASES:
+                    raise BadRequest(400, f"'constraints' of sentence {i + 1} must be a list of at most {MAX_PHRASES} "
+                                          f"phrases, got {shown(c)}")
+                out.append([text(p, "constraints") for p in c])
+            steer["constraints"] = out
+        order = data.get("constraint_order", "unordered")
+        if order not in ("unordered", "ordered"):
+            raise BadRequest(400, f"'constraint_order' must be 'unordered' or 'ordered', got {shown(order)}")
+        steer["constraint_order"] = order
+        suppress = data.get("suppress", [])
+        if not isinstance(suppress, list) or len(suppress) > MAX_PHRASES:
+            raise BadRequest(400, f"'suppress' must be a list of at most {MAX_PHRASES} texts, got {shown(suppress)}")
+        steer["suppress"] = [text(p, "suppress") for p in suppress]
+        if chars > self.cfg.max_chars:
+            raise BadRequest(413, f"the request's prefixes, constraints and suppressed texts hold {chars} characters; "
+                                  f"at most {self.cfg.max_chars}")
+        return steer
+
     @staticmethod
     def flag(data: dict, name: str) -> bool:
         value = data.get(name, False)
@@ -242,9 +299,11 @@ class Service:
         return total
 
     async def translate(self, request: Request, lines: list[str], nbest: int, alignment: bool,
-                        source: str | None = None, target: str | None = None) -> list[Translation]:
+                        source: str | None = None, target: str | None = None,
+                        steer: dict | None = None) -> list[Translation]:
         """The translations of ``lines``, through the batching queue (``source``/``target``: a multilingual
-        model's language pair for them, checked by ``pair``)."""
+        model's language pair for them, checked by ``pair``; ``steer``: ``Translator.guidance``'s arguments and
+        ``return_alternatives``: such a request is searched on its own, in a static batch)."""
         if self.stopping or self.batcher is None:
             raise BadRequest(503, "the service is shutting down; retry on another instance",
                              {"Retry-After": "5"})
@@ -254,6 +313,19 @@ class Service:
         t = self.translator
         loop = asyncio.get_running_loop()
         sources = await loop.run_in_executor(None, t.encode_batch, lines, source)  # not on the event loop
+        guide, alternatives = None, False
+        if steer:
+            steer = dict(steer)
+            alternatives = steer.pop("return_alternatives", False)
+            try:
+                guide = await loop.run_in_executor(None, lambda: t.guidance(len(lines), **steer))
+                if alternatives and guide.constraints is not None and any(guide.constraints):
+                    raise UserError("return_alternatives takes a prefix, not constraints; drop one of them")
+                if guide or alternatives:
+                    t.generator_for({"nbest": nbest} if nbest != t.search_cfg.nbest else {}).check_guide(
+                        sources, guide, 0, "text")
+            except UserError as e:
+                raise BadRequest(400, str(e)) from None
         for i, ids in enumerate(sources):
             if len(ids) > self.max_tokens:
                 raise BadRequest(400, f"sentence {i + 1} has {len(ids)} tokens; at most {self.max_tokens} are "
@@ -274,17 +346,23 @@ class Service:
             raise BadRequest(400, str(e)) from None
 
         def run(batch: list[list[int]], cancelled=None) -> list[Translation]:
-            return t.translate_encoded(batch, details=True, alignment=alignment, cancelled=cancelled, **search)
+            if alternatives:
+                return t.alternatives_encoded(batch, guide, 0.0, details=True, **search)
+            return t.translate_encoded(batch, details=True, alignment=alignment, cancelled=cancelled, guide=guide,
+                                       **search)
 
+        key: tuple = (nbest, alignment, search.get("tgt_lang"))
+        if guide or alternatives:
+            key = (*key, "steered", next(self._steered))  # its own batch: the guidance is this job's
         stream = finish = None
-        if self.continuous(search):
+        if not (guide or alternatives) and self.continuous(search):
             def stream():
                 return t.continuous_search(**search)
 
             def finish(ids: list[int], hyps) -> Translation:
                 return t.finish(ids, hyps, details=True, alignment=alignment, **search)
 
-        job = Job(sources=sources, key=(nbest, alignment, search.get("tgt_lang")), run=run,
+        job = Job(sources=sources, key=key, run=run,
                   future=loop.create_future(), loop=loop, stream=stream, finish=finish, cost=cost,
                   client=getattr(request.state, "client", ""))
         try:
@@ -459,12 +537,13 @@ def create_app(translator: Translator, cfg: ServeConfig | None = None, batcher: 
         data = await svc.body(request)
         t = svc.translator
         svc.admit(request, data)
-        lines, _ = svc.sentences(data.get("text"), "text")
+        lines, single = svc.sentences(data.get("text"), "text")
         nbest = svc.integer(data, "nbest", t.search_cfg.nbest, 1, t.search_cfg.beam)
         scores, alignment = svc.flag(data, "scores"), svc.flag(data, "alignment")
         src_lang, tgt_lang = svc.pair(data.get("source_lang", t.source_lang), data.get("target_lang", t.target_lang),
                                       auto=False)
-        results = await svc.translate(request, lines, nbest, alignment, src_lang, tgt_lang)
+        steer = svc.steering(data, len(lines), single)
+        results = await svc.translate(request, lines, nbest, alignment, src_lang, tgt_lang, steer)
         out = []
         for r in results:
             item: dict[str, Any] = {"text": r.text}

@@ -82,6 +82,22 @@ def test_the_native_endpoint_gives_nbest_scores_and_attention(service, translato
     assert body["translations"] == [{"text": translator.translate(lines[0])}]
 
 
+def test_a_steered_request_gets_its_constraints_prefix_and_alternatives(service, translator):
+    lines = sentence_lines(3, 23)
+    cons = [["dog"], [], ["red", "house"]]
+    status, body, _ = service.request("/v1/translate", {"text": lines, "constraints": cons, "scores": True})
+    assert status == 200, body
+    want = translator.translate(lines, constraints=cons, details=True)
+    assert [t["tokens"] for t in body["translations"]] == [w.tokens for w in want]
+    status, body, _ = service.request("/v1/translate", {"text": lines[0], "prefix": "the dog",
+                                                        "suppress": ["red"]})
+    assert body["translations"] == [{"text": translator.translate(lines[0], prefix="the dog", suppress=["red"])}]
+    status, body, _ = service.request("/v1/translate", {"text": lines[1], "prefix": "the", "nbest": 2,
+                                                        "return_alternatives": True})
+    want = translator.translate(lines[1], prefix="the", nbest=2, return_alternatives=True)
+    assert [h["text"] for h in body["translations"][0]["hypotheses"]] == want
+
+
 def test_concurrent_clients_are_batched_together_and_each_gets_its_own_answer(service, translator):
     lines = sentence_lines(96, 23)
     expected = dict(zip(lines, translator.translate(lines)))
@@ -138,6 +154,16 @@ BAD = [
     ("nbest", b'{"text": "a", "nbest": 0}', "application/json", "/v1/translate", "POST", 400, "'nbest' is 0"),
     ("flag", b'{"text": "a", "scores": "yes"}', "application/json", "/v1/translate", "POST", 400,
      "true or false"),
+    ("unknown constraint", b'{"text": "a", "constraints": ["qqqzzz"]}', "application/json", "/v1/translate",
+     "POST", 400, "constraints[0]: 'qqqzzz' has pieces the model's target vocabulary does not hold"),
+    ("constraints too long", json.dumps({"text": "a", "constraints": [" ".join(["dog"] * 40)]}).encode(),
+     "application/json", "/v1/translate", "POST", 400, "the constraints need"),
+    ("constraints per sentence", b'{"text": ["a", "b"], "constraints": [["dog"]]}', "application/json",
+     "/v1/translate", "POST", 400, "one item per sentence of 'text' (2)"),
+    ("constraint order", b'{"text": "a", "constraints": ["dog"], "constraint_order": "up"}', "application/json",
+     "/v1/translate", "POST", 400, "'constraint_order' must be"),
+    ("prefix type", b'{"text": "a", "prefix": 3}', "application/json", "/v1/translate", "POST", 400,
+     "'prefix' must be a string"),
     ("xml", b"<q>a</q>", "application/xml", "/translate", "POST", 415, "application/xml"),
     ("no content type", b'{"q": "a"}', "", "/translate", "POST", 415, "no content type"),
     ("too many characters", json.dumps({"q": ["a" * 300] * 5}).encode(), "application/json", "/translate", "POST",
