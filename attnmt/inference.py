@@ -242,6 +242,9 @@ def load_generator(path: str | os.PathLike, search_cfg, gen_cfg):
     bundle = load_for_inference(path, device)
     if gen_cfg.src_lang or gen_cfg.tgt_lang:
         bundle.set_languages(gen_cfg.src_lang, gen_cfg.tgt_lang)
+    make_projection = None
+    if gen_cfg.shortlist:
+        make_projection = shortlist_projection(bundle.model, backend, gen_cfg.quantize)
     bundle.model = backend.prepare_inference(bundle.model, gen_cfg.quantize)
     longest = bundle.model.max_positions()[1] - 1  # target positions, the end of sentence included
     if search_cfg.min_len > longest:
@@ -250,11 +253,28 @@ def load_generator(path: str | os.PathLike, search_cfg, gen_cfg):
     generator = Generator(bundle.model, bundle.symbols, search_cfg, backend,
                           max_source_positions=bundle.max_source_positions(),
                           truncate_source=gen_cfg.truncate_source, target_text=bundle.target_text)
+    if make_projection is not None:
+        from attnmt.generation import shortlist
+
+        generator.use_shortlist(shortlist.read(gen_cfg.shortlist, bundle.src_dict, bundle.tgt_dict), make_projection,
+                                len(bundle.tgt_dict))
     if gen_cfg.workers > 1:
         each = max(1, (gen_cfg.threads or torch.get_num_threads()) // gen_cfg.workers)
         generator.start_workers(gen_cfg.workers, each,
                                 functools.partial(load_worker_generator, str(path), search_cfg, gen_cfg, each))
     return bundle, generator
+
+
+def shortlist_projection(model, backend, quantize: str):
+    """``--shortlist``: how a batch's rows of the output projection become a layer run as the backend runs the
+    model's (taken before the backend prepares the model; a one-line error for a model without one projection)."""
+    from attnmt.generation.shortlist import projection_maker
+    from attnmt.models.interface import EncoderDecoderModel
+
+    if not isinstance(model, EncoderDecoderModel):
+        raise UserError("--shortlist takes one model, not an ensemble; translate with one checkpoint")
+    weight = model.output_projection_weight().detach()
+    return projection_maker(weight, lambda m: backend.prepare_inference(m, quantize))
 
 
 def load_worker_generator(path: str, search_cfg, gen_cfg, threads: int):

@@ -31,6 +31,7 @@ COMMANDS = {
     "import-hf": "import_hf",
     "interactive": "interactive",
     "serve": "serve",
+    "build-shortlist": "build_shortlist",
 }
 
 

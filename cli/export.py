@@ -25,7 +25,9 @@ CHECK_TOLERANCE = 1e-3
               help="CTranslate2 weight type (default float32).")
 @click.option("--force", is_flag=True, help="Replace --output-dir's CTranslate2 or Hugging Face model if there is one.")
 @click.option("--check", "check_file", metavar="FILE", help="Compare both toolkits' scores on FILE's first 20 lines.")
-def command(path, target, output_dir, quantization, force, check_file):
+@click.option("--shortlist", metavar="FILE", help="--to ctranslate2: carry this vocabulary shortlist (attnmt "
+              "build-shortlist) as the model's vmap.txt, for CTranslate2's use_vmap=True.")
+def command(path, target, output_dir, quantization, force, check_file, shortlist):
     """Export the checkpoint --path to CTranslate2, fairseq or Hugging Face transformers.
 
     \b
@@ -37,12 +39,20 @@ def command(path, target, output_dir, quantization, force, check_file):
 
     if quantization and target != "ctranslate2":
         raise UserError("--quantization is a CTranslate2 option; drop it with --to fairseq")
+    if shortlist and target != "ctranslate2":
+        raise UserError(f"--shortlist is carried to CTranslate2 only; drop it with --to {target}")
     p = checkpoint.resolve(path)
     ckpt = checkpoint.load(p)
     if target == "ctranslate2":
         from attnmt.interop.ctranslate2 import check, export_model
 
-        out = export_model(ckpt, output_dir, quantization, force)
+        if shortlist:  # malformed or another model's: refused before anything is written
+            from attnmt.generation import shortlist as shortlists
+            from attnmt.inference import load_for_inference
+
+            bundle = load_for_inference(p)
+            shortlists.read(shortlist, bundle.src_dict, bundle.tgt_dict)
+        out = export_model(ckpt, output_dir, quantization, force, vmap=shortlist)
     elif target == "huggingface":
         from attnmt.interop.marian_export import check, export_marian
 

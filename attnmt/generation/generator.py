@@ -72,6 +72,10 @@ class GenerationConfig:
                 "one it was imported with]."})
     tgt_lang: str | None = field(default=None, metadata={
         "help": "A multilingual model's target language [default: the one it was imported with]."})
+    shortlist: str | None = field(default=None, metadata={
+        "help": "A vocabulary shortlist (attnmt build-shortlist; CTranslate2's vmap.txt format): each batch is "
+                "searched over the target tokens its source words map to, the projection to the vocabulary "
+                "computed for those only (faster on big vocabularies)."})
 
     def __post_init__(self):
         if self.max_tokens is not None and self.max_tokens < 0:
@@ -198,6 +202,31 @@ class Generator:
         self.target_text = target_text
         self.stats = GenerationStats()
         self.pool = None  # a WorkerPool once start_workers() ran
+        self.shortlist = None  # (Shortlist, projection maker, vocabulary size) once use_shortlist() ran
+
+    def use_shortlist(self, shortlist, make_projection: Callable, vocab: int) -> None:
+        """Search every batch over its shortlisted target tokens (``attnmt.generation.shortlist``);
+        ``make_projection(ids)``: the output projection of those rows, as the backend runs it."""
+        self.shortlist = (shortlist, make_projection, vocab)
+
+    def search_model(self, sources: Sequence[Sequence[int]], guide: Guidance | None):
+        """The model a batch is searched with: the model, or with a shortlist the model over the batch's
+        candidates (its sources', the special symbols, its prefixes' and constraints' tokens)."""
+        if self.shortlist is None:
+            return self.model
+        from attnmt.generation.shortlist import ShortlistedModel
+
+        shortlist, make, vocab = self.shortlist
+        sym = self.symbols
+        extra = {sym.eos, sym.unk, sym.pad, *(t for t in (sym.bos, sym.forced) if t is not None)}
+        if guide is not None:
+            for p in guide.prefixes or ():
+                extra.update(p or ())
+            for phrases in guide.constraints or ():
+                for phrase in phrases or ():
+                    extra.update(phrase)
+        ids = torch.tensor(shortlist.candidates(sources, extra), dtype=torch.long, device=self.device)
+        return ShortlistedModel(self.model, ids, make(ids), vocab)
 
     def start_workers(self, workers: int, threads: int, load=None) -> None:
         """Translate batches in ``workers`` processes of ``threads`` CPU threads each (``attnmt.generation.workers``;
@@ -266,14 +295,15 @@ class Generator:
         cfg, kernels = self.search_cfg, self.backend.decoding_kernels()
         guide = guide if guide else None
         with torch.inference_mode(), self.autocast(), _gc_paused():
+            model = self.search_model(sources, guide)
             if not cfg.mbr_samples:
-                return search(self.model, tokens, lengths, cfg, self.symbols, sample_ids, kernels=kernels,
+                return search(model, tokens, lengths, cfg, self.symbols, sample_ids, kernels=kernels,
                               guide=guide)
             from attnmt.generation import mbr
 
-            beams = search(self.model, tokens, lengths, replace(cfg, nbest=cfg.beam, mbr_samples=0), self.symbols,
+            beams = search(model, tokens, lengths, replace(cfg, nbest=cfg.beam, mbr_samples=0), self.symbols,
                            sample_ids, kernels=kernels, guide=guide)
-            samples = search(self.model, tokens, lengths, mbr.sampling_config(cfg), self.symbols, sample_ids,
+            samples = search(model, tokens, lengths, mbr.sampling_config(cfg), self.symbols, sample_ids,
                              kernels=kernels, guide=guide)
         return [mbr.rerank(h, s, self.target_text, cfg.nbest) for h, s in zip(beams, samples)]
 
@@ -287,7 +317,8 @@ class Generator:
         with torch.inference_mode(), self.autocast():
             src, lengths = collate([source], sym.pad, self.device)
             prev = torch.tensor([[sym.first, *lead, *prefix]], device=self.device)
-            logits = self.model.decode(prev, self.model.encode(src, lengths))[0, -1:]
+            model = self.search_model([source], Guidance(prefixes=[prefix]))
+            logits = model.decode(prev, model.encode(src, lengths))[0, -1:]
             limit = max_lengths(lengths, self.search_cfg, int(self.model.max_positions()[1]))
             cfg = replace(self.search_cfg, min_len=max(self.search_cfg.min_len, len(lead) + len(prefix) + 1))
             lprobs = step_log_probs(logits, len(lead) + len(prefix), limit, prev[:, 1:], cfg, sym,
@@ -301,6 +332,7 @@ class Generator:
         gen = Generator(self.model, sym, one, self.backend, self.max_source_positions, self.truncate_source,
                         self.target_text)
         gen.stats = self.stats
+        gen.shortlist = self.shortlist
         guide = Guidance(prefixes=[[*prefix, t] for t in picks], suppress=suppress)
         return [h[0] for _, h in gen.generate([source] * len(picks), guide=guide) if h]
 

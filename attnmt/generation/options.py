@@ -35,7 +35,7 @@ def search_config(given: dict[str, Any]) -> SearchConfig:
     if leftovers:
         owners = {k: [n for n, e in registry.REGISTRIES["search"].entries.items()
                       if e.config is not None and k in fields_of(e.config)] for k in leftovers}
-        raise UserError("; ".join(f"{option_name(k)} is an option of --search {' / '.join(owners[k]) or '?'}, not of "
+        raise UserError("; ".join(f"{option_name(k)} is an option of --search {' or '.join(owners[k]) or '?'}, not of "
                                   f"--search {name}" for k in leftovers) + "; remove it or choose that search")
     options = make_config(strategy.config, per["options"], what=f"--search {name}") if strategy.config else None
     return dataclasses.replace(make_config(SearchConfig, per["search"]), options=options)

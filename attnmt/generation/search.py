@@ -855,4 +855,6 @@ def search(model: SearchModel, src_tokens: Tensor, src_lengths: Tensor, cfg: Sea
     if guide is not None and guide.constraints is not None and any(guide.constraints) and name == "beam":
         name = "constrained"
     strategy = get("search", name).obj
+    if not guide:  # a strategy written before guidance existed keeps working
+        return strategy(cfg)(model, src_tokens, src_lengths, sym, sample_ids=sample_ids, kernels=kernels)
     return strategy(cfg)(model, src_tokens, src_lengths, sym, sample_ids=sample_ids, kernels=kernels, guide=guide)

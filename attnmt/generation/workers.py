@@ -34,7 +34,7 @@ from attnmt.backends import set_threads
 from attnmt.errors import UserError
 from attnmt.signals import die_with_parent
 
-Task = tuple[Any, list, list]  # (key, sources, sentence ids)
+Task = tuple[Any, list, list, Any]  # (key, sources, sentence ids, their Guidance or None)
 START_TIMEOUT_S = 600.0
 
 
@@ -77,7 +77,7 @@ def _work(search_batch: Callable | None, load: Callable | None, threads: int, ta
 
 
 class WorkerPool:
-    """``workers`` processes running ``search_batch(sources, ids)`` with ``threads`` CPU threads each.
+    """``workers`` processes running ``search_batch(sources, ids, guide)`` with ``threads`` CPU threads each.
 
     ``search_batch`` is used by forked workers (one thread each); ``load``, a picklable function returning a
     Generator, by spawned ones (several threads each); without it, several threads per worker are refused.
@@ -135,8 +135,8 @@ class WorkerPool:
         self._check_alive()
         self._run += 1
         run, pending = self._run, 0
-        for key, sources, ids in tasks:
-            self.tasks.put(((run, key), sources, ids))
+        for key, sources, ids, guide in tasks:
+            self.tasks.put(((run, key), sources, ids, guide))
             pending += 1
             self._pending += 1
         while pending:

@@ -118,8 +118,9 @@ def build_spec(ckpt: dict):
 
 
 def export_model(ckpt: dict, output_dir: str | os.PathLike, quantization: str | None = None,
-                 force: bool = False) -> str:
-    """Write the CTranslate2 model directory ``output_dir`` for the attnmt checkpoint ``ckpt``."""
+                 force: bool = False, vmap: str | os.PathLike | None = None) -> str:
+    """Write the CTranslate2 model directory ``output_dir`` for the attnmt checkpoint ``ckpt``; ``vmap``: a
+    vocabulary shortlist file, copied in as the model's ``vmap.txt``."""
     Converter = _ctranslate2().converters.converter.Converter
 
     class AttnmtConverter(Converter):
@@ -128,7 +129,8 @@ def export_model(ckpt: dict, output_dir: str | os.PathLike, quantization: str | 
 
     def convert(tmp: Path) -> None:
         try:
-            AttnmtConverter().convert(str(tmp), quantization=quantization, force=True)
+            AttnmtConverter().convert(str(tmp), vmap=None if vmap is None else str(vmap), quantization=quantization,
+                                      force=True)
         except RuntimeError as e:
             raise UserError(f"{output_dir}: the conversion failed ({e})") from None
 

@@ -562,7 +562,7 @@ def test_workers_report_a_dead_worker_and_refuse_gpus(ckpt):
     finally:
         gen.close()
     # an error inside a worker's search comes back with its traceback; the busy workers are stopped at once
-    gen.search_batch = lambda sources, ids: 1 / 0
+    gen.search_batch = lambda sources, ids, guide=None: 1 / 0
     gen.start_workers(2, 1)
     with pytest.raises(RuntimeError, match=r"(?s)decoding worker \d+ failed.*ZeroDivisionError"):
         list(gen.generate(_bundle_sources(ckpt), max_tokens=20))
@@ -708,7 +708,7 @@ def test_search_strategy_from_user_dir(ckpt, tmp_path):
                         str(ckpt), "--search", "first_tokens", "--early-stop", "beam"], input=stdin,
                        capture_output=True, text=True)
     assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert "--early-stop is an option of --search beam, not of --search first_tokens" in r.stderr
+    assert "--early-stop is an option of --search beam or constrained, not of --search first_tokens" in r.stderr
 
 
 STEP_PLUGIN = '''
