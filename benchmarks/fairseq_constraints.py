@@ -49,13 +49,14 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=200)
     ap.add_argument("--order", choices=["unordered", "ordered"], default="unordered")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--none", action="store_true", help="no constraints: the two searches' baseline agreement")
     a = ap.parse_args()
     import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_file=a.spm)
     src = Path(a.src).read_text(encoding="utf-8").splitlines()[: a.n]
     refs = Path(a.ref).read_text(encoding="utf-8").splitlines()[: a.n]
-    cons = constraints_for(refs, a.seed)
+    cons = [[] for _ in refs] if a.none else constraints_for(refs, a.seed)
     lines = ["\t".join([s, *c]) for s, c in zip(src, cons)]
     peer = Path(a.peer_venv) / "bin"
     env = {**os.environ, "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}
@@ -70,16 +71,17 @@ def main() -> None:
                         "--output-dir", str(w / "fsx")], check=True, env={**env, "PYTHONPATH": str(tree)},
                        capture_output=True, cwd=w)
         (w / "input.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
-        order = [] if a.order == "unordered" else ["ordered"]
+        fs_cons = [] if a.none else ["--constraints", a.order]  # a bare --constraints is ordered in fairseq
+        at_cons = [] if a.none else ["--constraints", a.order]
         fs = subprocess.run([str(peer / "fairseq-interactive"), str(w / "fsx"), "--path", str(w / "fsx/checkpoint.pt"),
                              "--source-lang", "en", "--target-lang", "de", "--bpe", "sentencepiece",
-                             "--sentencepiece-model", a.spm, "--constraints", *order, "--cpu", "--buffer-size", "64",
+                             "--sentencepiece-model", a.spm, *fs_cons, "--cpu", "--buffer-size", "64",
                              "--batch-size", "64", "--input", str(w / "input.txt")],
                             capture_output=True, text=True, env=env, cwd=w)
         if fs.returncode:
             sys.exit(f"fairseq-interactive failed:\n{fs.stderr[-3000:]}")
         at = subprocess.run([sys.executable, "-m", "attnmt.cli", "interactive", "--path", a.model, "--fairseq",
-                             "--constraints", a.order, "--buffer-size", "64", "--quiet", "--input",
+                             *at_cons, "--buffer-size", "64", "--quiet", "--input",
                              str(w / "input.txt")], capture_output=True, text=True, cwd=w)
         if at.returncode:
             sys.exit(f"attnmt interactive failed:\n{at.stderr[-3000:]}")

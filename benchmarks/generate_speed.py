@@ -86,6 +86,8 @@ def parse_args(argv=None):
     p.add_argument("--ct2-compute-types", default="int8,float32", help="CTranslate2 compute types to run")
     p.add_argument("--fairseq-venv", help="virtualenv with fairseq 0.12.2 (fairseq-generate) to compare with")
     p.add_argument("--json", help="also write all results to this JSON file")
+    p.add_argument("--shortlist", help="a vocabulary shortlist (attnmt build-shortlist): every attnmt mode and "
+                   "CTranslate2 also run with it (CTranslate2: as the model's vmap.txt, use_vmap=True)")
     p.add_argument("--early-stop", default="exact,beam",
                    help="attnmt stopping rules to run, a comma-separated subset of exact,beam (see --early-stop of "
                         "attnmt generate); beam is the rule CTranslate2 and fairseq use")
@@ -95,6 +97,7 @@ def parse_args(argv=None):
     p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
     p.add_argument("--worker-early-stop", choices=("exact", "beam"), default="exact", help=argparse.SUPPRESS)
     p.add_argument("--worker-processes", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--worker-shortlist", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -175,7 +178,8 @@ def worker(args) -> dict:
     precision, quantize = MODE_SETTINGS[mode]
     gen_cfg = GenerationConfig(max_tokens=args.max_tokens, device="cpu", precision=precision,
                                quantize=quantize, threads=args.threads,
-                               workers=args.worker_processes)
+                               workers=args.worker_processes,
+                               shortlist=args.shortlist if args.worker_shortlist else None)
     t0 = time.perf_counter()
     bundle, generator = load_generator(args.path, search_cfg, gen_cfg)
     load_s = time.perf_counter() - t0
@@ -190,6 +194,8 @@ def worker(args) -> dict:
     tokens = sum(len(h[0].tokens) for _, h in results if h)
     hyps = [bundle.detokenize(bundle.target_pieces(h[0].tokens)) if h else "" for _, h in results]
     rss, config = peak_rss_mb(), f"early stop: {args.worker_early_stop}"
+    if args.worker_shortlist:
+        mode, config = f"{mode}+sl", config + ", shortlist"
     threads = torch.get_num_threads()
     if generator.pool is not None:  # see pss_mb
         rss = sum(pss_mb(pid) for pid in [os.getpid(), *(p.pid for p in generator.pool.procs)])
@@ -200,12 +206,13 @@ def worker(args) -> dict:
                    config=config)
 
 
-def run_mode(mode: str, early_stop: str, workers: int, argv: list[str]) -> dict:
+def run_mode(mode: str, early_stop: str, workers: int, argv: list[str], shortlist: bool = False) -> dict:
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--worker", mode,
-                           "--worker-early-stop", early_stop, "--worker-processes", str(workers)],
+                           "--worker-early-stop", early_stop, "--worker-processes", str(workers),
+                           *(["--worker-shortlist"] if shortlist else [])],
                           capture_output=True, text=True)
     if proc.returncode != 0:
-        return {"mode": mode, "config": f"early stop: {early_stop}, {workers} workers",
+        return {"mode": mode + ("+sl" if shortlist else ""), "config": f"early stop: {early_stop}, {workers} workers",
                 "error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -221,7 +228,7 @@ for intra, inter, batch_type, batch_size in cfg["configs"]:
     tr = ctranslate2.Translator(cfg["model"], device="cpu", compute_type=cfg["compute_type"], intra_threads=intra,
                                 inter_threads=inter)
     opts = dict(beam_size=cfg["beam"], length_penalty=cfg["lenpen"], max_batch_size=batch_size,
-                batch_type=batch_type, max_decoding_length=cfg["max_len"])
+                batch_type=batch_type, max_decoding_length=cfg["max_len"], use_vmap=cfg["vmap"])
     tr.translate_batch(cfg["pieces"][:16], **opts)
     times = []
     for _ in range(cfg["repeats"]):
@@ -260,14 +267,15 @@ def ct2_configs(args) -> list[list]:
             for bt, size in (("tokens", args.max_tokens), ("examples", 64))]
 
 
-def run_ct2(args, bundle, sources, refs, compute_type: str) -> dict:
-    """CTranslate2 on the same pieces, in the interpreter ``--ct2-python``: the best of ``ct2_configs``."""
-    name = f"ct2-{compute_type}"
+def run_ct2(args, bundle, sources, refs, compute_type: str, vmap: bool = False) -> dict:
+    """CTranslate2 on the same pieces, in the interpreter ``--ct2-python``: the best of ``ct2_configs``;
+    ``vmap``: with the model's vocabulary map (``use_vmap``)."""
+    name = f"ct2-{compute_type}" + ("+vmap" if vmap else "")
     pieces = [bundle.source_pieces(s).split() for s in sources]  # without EOS: CTranslate2 appends it
     longest = max(len(s) for s in sources)  # with EOS, as attnmt counts the source length
     cfg = {"model": args.ct2_model, "compute_type": CT2_TYPES.get(compute_type, compute_type),
            "configs": ct2_configs(args), "beam": args.beam, "lenpen": args.lenpen, "repeats": args.repeats,
-           "pieces": pieces, "max_len": int(args.max_len_a * longest + args.max_len_b)}
+           "pieces": pieces, "max_len": int(args.max_len_a * longest + args.max_len_b), "vmap": vmap}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(cfg, f)
     try:
@@ -367,12 +375,13 @@ def print_table(results: list[dict]) -> None:
         b = "-" if r.get("bleu") is None else f"{r['bleu']:.2f}"
         print(f"{r['mode']:12} {r['sentences_per_s']:9.2f} {r['tokens_per_s']:9.1f} {r['best_s']:8.2f} "
               f"{r['target_tokens']:7d} {r['peak_rss_mb']:12.1f} {b:>6} {ratio:>8}  {r.get('config', '')}")
-    ours = [r for r in results if r.get("mode") in MODES and "error" not in r]
-    ct2 = next((r for r in results if r.get("mode") == "ct2-int8" and "error" not in r), None)
-    if ours and ct2:
-        best = max(ours, key=lambda r: r["tokens_per_s"])
-        print(f"attnmt best ({best['mode']}, {best['config']}) / CTranslate2 int8, target tokens/s: "
-              f"{best['tokens_per_s'] / ct2['tokens_per_s']:.2f}x")
+    for tail, theirs in (("", "ct2-int8"), ("+sl", "ct2-int8+vmap")):
+        ours = [r for r in results if r.get("mode") in {m + tail for m in MODES} and "error" not in r]
+        ct2 = next((r for r in results if r.get("mode") == theirs and "error" not in r), None)
+        if ours and ct2:
+            best = max(ours, key=lambda r: r["tokens_per_s"])
+            print(f"attnmt best ({best['mode']}, {best['config']}) / CTranslate2 {theirs[4:]}, target tokens/s: "
+                  f"{best['tokens_per_s'] / ct2['tokens_per_s']:.2f}x")
 
 
 def main(argv=None) -> None:
@@ -400,8 +409,10 @@ def main(argv=None) -> None:
     for n in workers:
         for stop in stops:
             for mode in modes:
-                print(f"running attnmt {mode} (early stop: {stop}, {n} workers) ...", file=sys.stderr, flush=True)
-                results.append(run_mode(mode, stop, n, argv))
+                for short in [False, True] if args.shortlist else [False]:
+                    print(f"running attnmt {mode} (early stop: {stop}, {n} workers{', shortlist' if short else ''}) "
+                          f"...", file=sys.stderr, flush=True)
+                    results.append(run_mode(mode, stop, n, argv, short))
     if args.ct2_model or args.fairseq_venv:
         from attnmt.inference import load_for_inference
 
@@ -409,12 +420,18 @@ def main(argv=None) -> None:
         sources, refs = load_data(args, bundle)
         if args.ct2_model:
             failed = ct2_export(args)
+            if args.shortlist and not failed:  # the same map, as CTranslate2 reads it
+                import shutil
+
+                shutil.copyfile(args.shortlist, os.path.join(args.ct2_model, "vmap.txt"))
             for ct in [c.strip() for c in args.ct2_compute_types.split(",") if c.strip()]:
                 if failed:
                     results.append({"mode": f"ct2-{ct}", "error": failed})
                     continue
-                print(f"running CTranslate2 {ct} ...", file=sys.stderr, flush=True)
-                results.append(run_ct2(args, bundle, sources, refs, ct))
+                for vmap in [False, True] if args.shortlist else [False]:
+                    print(f"running CTranslate2 {ct}{' with the vmap' if vmap else ''} ...", file=sys.stderr,
+                          flush=True)
+                    results.append(run_ct2(args, bundle, sources, refs, ct, vmap))
         if args.fairseq_venv:
             print("running fairseq-generate ...", file=sys.stderr, flush=True)
             with tempfile.TemporaryDirectory(prefix="attnmt-fairseq-") as work:

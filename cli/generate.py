@@ -61,10 +61,10 @@ def guidance_options(command):
         help="Each input line is SOURCE<TAB>PREFIX: the translation starts with the target PREFIX (forced, each "
              "token keeping its log-probability; an empty field: no prefix).")(command)
     return click.option(
-        "--constraints", type=click.Choice(["unordered", "ordered"]), is_flag=False, flag_value="unordered",
-        default=None, metavar="[unordered|ordered]",
+        "--constraints", type=click.Choice(["ordered", "unordered"]), is_flag=False, flag_value="ordered",
+        default=None, metavar="[ordered|unordered]",
         help="fairseq's lexically constrained decoding: each input line is SOURCE<TAB>PHRASE<TAB>PHRASE...; every "
-             "translation contains every phrase (ordered: in the given order).")(command)
+             "translation contains every phrase (ordered, the default as in fairseq: in the given order; unordered: in any order).")(command)
 
 
 def read_guidance(bundle, lines, prefix_field: bool, constraints: str | None, suppress, where: str, first: int = 0):

@@ -62,6 +62,8 @@ def unsupported(generator) -> str | None:
         return f"the model ({type(generator.model).__name__}; ensembles batch statically)"
     if generator.pool is not None:
         return "--workers"
+    if generator.shortlist is not None:
+        return "--shortlist (each batch's candidates are its own)"
     return None
 
 

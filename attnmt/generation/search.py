@@ -812,7 +812,8 @@ def run_search(strategy: SearchStrategy, model: SearchModel, src_tokens: Tensor,
         new_s, new_tok, new_lp = top_s.gather(1, sel), tok.gather(1, sel), top_lp.gather(1, sel)
         src_rows = (arange_a * K)[:, None] + beam_i.gather(1, sel)
         strategy.chosen(sel)
-        done = strategy.done(step, new_s[:, 0], fin, max_len, kth_best)
+        # the best live score: the first for strategies whose candidates come best first, not for all (constrained)
+        done = strategy.done(step, new_s.max(dim=1).values, fin, max_len, kth_best)
         keep = None
         if bool(done.any()):
             keep = (~done).nonzero(as_tuple=True)[0]

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 from torch import Tensor, nn
 
 from attnmt.errors import UserError
