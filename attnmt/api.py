@@ -204,6 +204,9 @@ class Translator:
     def alternatives_encoded(self, sources: list[list[int]], guide, min_prob: float = 0.0, details: bool = False,
                              **search: Any):
         """:meth:`alternatives` for sentences already encoded (what the service calls)."""
+        n = search.pop("nbest", None) or self.search_cfg.nbest  # alternatives, each searched alone: not bound by beam
+        if not (isinstance(n, int) and 1 <= n <= 1024):
+            raise UserError(f"nbest (the number of alternatives) must be an integer from 1 to 1024, got {shown_value(n)}")
         generator = self.generator_for(search)
         out = []
         with self._lock:
@@ -214,8 +217,9 @@ class Translator:
                                     f"{self.max_source_tokens()}; shorten or split it")
                 prefix = guide.prefixes[i] if guide.prefixes is not None else []
                 generator.check_guide([ids], type(guide)(prefixes=[prefix + [0]]), i, "sources")
-                hyps = generator.alternatives(ids, prefix, generator.search_cfg.nbest, float(min_prob), guide.suppress)
-                cfg = dataclasses.replace(generator.search_cfg, nbest=max(2, len(hyps)))
+                hyps = generator.alternatives(ids, prefix, n, float(min_prob), guide.suppress)
+                k = max(2, len(hyps))  # a list of them, however many (how _result shapes an n-best list)
+                cfg = dataclasses.replace(generator.search_cfg, beam=max(k, generator.search_cfg.beam), nbest=k)
                 res = self._result(ids, hyps, cfg, details, False)
                 out.append(res if details else list(res) if isinstance(res, list) else [res])
         return out

@@ -3,8 +3,11 @@ CTranslate2's ``translate_batch(target_prefix=..., return_alternatives=True)`` o
 ``attnmt export --to ctranslate2``, run in float32) and the same sentences.
 
 Each of the first N test sentences gets a prefix: the first 1-3 words of its reference (a fixed seed). Both search
-with beam 4 and CTranslate2's length normalisation (score / length, attnmt's ``--lenpen-style fairseq --lenpen 1``)
-and stop as CTranslate2 does (``--early-stop beam``); ``--alternatives K`` asks for K of them. The script prints how
+with beam 4 and CTranslate2's length normalisation (score / length ** LENPEN, attnmt's ``--lenpen-style fairseq``;
+``--lenpen``, default 1) and stop as CTranslate2 does (``--early-stop beam``); ``--alternatives K`` asks for K of
+them. CTranslate2 leaves a forced prefix out of the score it normalises (an alternative's continuation is scored
+alone), attnmt keeps the prefix tokens' log-probabilities in it, so with a length penalty the two may rank
+continuations of different lengths differently; ``--lenpen 0`` compares the searches alone. The script prints how
 many of attnmt's plain prefixed translations start with the prefix verbatim, how many equal CTranslate2's, and how
 many of the alternatives (the tokens and their order) are identical to CTranslate2's, with the differing ones listed.
 
@@ -34,6 +37,7 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=200)
     ap.add_argument("--alternatives", type=int, default=5)
     ap.add_argument("--beam", type=int, default=4)
+    ap.add_argument("--lenpen", type=float, default=1.0, help="both: score / length ** LENPEN (0: the sum)")
     ap.add_argument("--seed", type=int, default=1)
     a = ap.parse_args()
     import ctranslate2
@@ -43,9 +47,9 @@ def main() -> None:
     src = Path(a.src).read_text(encoding="utf-8").splitlines()[: a.n]
     refs = Path(a.ref).read_text(encoding="utf-8").splitlines()[: a.n]
     prefixes = prefixes_for(refs, a.seed)
-    search = dict(beam=a.beam, lenpen=1.0, lenpen_style="fairseq", early_stop="beam", max_len_a=0.0, max_len_b=200)
+    search = dict(beam=a.beam, lenpen=a.lenpen, lenpen_style="fairseq", early_stop="beam", max_len_a=0.0, max_len_b=200)
     ours = Translator(a.model, **search)
-    alts = Translator(a.model, nbest=a.alternatives, **search)
+    alts = ours
     bundle = ours.bundle
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ct2"
@@ -54,12 +58,12 @@ def main() -> None:
         ct2 = ctranslate2.Translator(str(out), device="cpu", compute_type="float32")
         source_pieces = [bundle.source_pieces(s).split() for s in bundle.encode_sources(src)]
         prefix_pieces = [bundle.tgt_pipeline.encode(p).split() for p in prefixes]
-        opts = dict(beam_size=a.beam, length_penalty=1.0, max_decoding_length=200, return_scores=True)
+        opts = dict(beam_size=a.beam, length_penalty=a.lenpen, max_decoding_length=200, return_scores=True)
         theirs_plain = ct2.translate_batch(source_pieces, target_prefix=prefix_pieces, **opts)
         theirs_alt = ct2.translate_batch(source_pieces, target_prefix=prefix_pieces, return_alternatives=True,
                                          num_hypotheses=a.alternatives, **opts)
     plain = ours.translate(src, prefix=prefixes, details=True)
-    mine_alt = alts.translate(src, prefix=prefixes, return_alternatives=True, details=True)
+    mine_alt = alts.translate(src, prefix=prefixes, return_alternatives=True, nbest=a.alternatives, details=True)
     n = len(src)
     verbatim = sum(t.tokens[: len(p)] == p for t, p in zip(plain, prefix_pieces))
     same_plain = [i for i in range(n) if plain[i].tokens[:-1] == theirs_plain[i].hypotheses[0]]
@@ -74,7 +78,8 @@ def main() -> None:
                           if len(m) > len(prefix_pieces[i]) and len(t) > len(prefix_pieces[i]))
         if mine != theirs:
             diffs.append((i, mine, theirs))
-    print(f"{n} sentences, prefixes of 1-3 reference words, beam {a.beam}, score / length, CTranslate2 float32")
+    print(f"{n} sentences, prefixes of 1-3 reference words, beam {a.beam}, score / length ** {a.lenpen:g}, "
+          f"CTranslate2 float32")
     print(f"prefix verbatim in attnmt's translations: {verbatim}/{n}")
     print(f"prefixed translation identical to CTranslate2's: {len(same_plain)}/{n}")
     print(f"alternatives ({a.alternatives} asked): attnmt {sum(len(t.hypotheses) for t in mine_alt)}, "
