@@ -142,7 +142,7 @@ class Translator:
 
         Steering (per sentence for a list: a list of these): ``prefix``, the target text the translation starts
         with (forced); ``constraints``, target phrases every hypothesis contains (``constraint_order``
-        ``"ordered"``: in that order); ``suppress``, texts no translation contains; ``return_alternatives``:
+        ``"ordered"``: in that order); ``suppress``, texts (or lists of target token ids) no translation contains; ``return_alternatives``:
         the ``nbest`` most probable continuations at the end of the prefix (each token at least
         ``min_alternative_expansion_prob`` likely), each completed by the search, as CTranslate2 returns them.
         """
@@ -184,8 +184,14 @@ class Translator:
             for i, c in enumerate(items):
                 texts = _lines(c, f"constraints[{i}]") if c is not None else []
                 phrases.append([target_ids(b, t, f"constraints[{i}]:") for t in texts if t.strip()])
-        texts = _lines(list(suppress) if not isinstance(suppress, str) else suppress, "suppress")
-        return Guidance(prefixes, phrases, suppressed(b, texts), constraint_order == "ordered")
+        items = [suppress] if isinstance(suppress, str) else list(suppress)
+        ids = [x for x in items if not isinstance(x, str)]  # token id lists, as transformers' bad_words_ids
+        for seq in ids:
+            if not isinstance(seq, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                                             for i in seq):
+                raise UserError(f"suppress: give texts or lists of token ids, got {shown_value(seq)}")
+        texts = _lines([x for x in items if isinstance(x, str)], "suppress")
+        return Guidance(prefixes, phrases, suppressed(b, texts, ids), constraint_order == "ordered")
 
     def alternatives(self, lines: list[str], guide, min_prob: float = 0.0, details: bool = False, **search: Any):
         """Per sentence, the ``nbest`` alternatives at the end of its prefix (see :meth:`translate`): a list of

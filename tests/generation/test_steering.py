@@ -134,6 +134,10 @@ def test_suppressed_sequences_never_appear_and_unk_can_be_disabled(translator):
     got = t.translate(LINES, suppress=[text], details=True)
     for r in got:
         assert not holds([t.bundle.tgt_dict.index(x) for x in r.tokens], banned)
+    # the same sequence as token ids (transformers' bad_words_ids): the same translations
+    assert [r.tokens for r in t.translate(LINES, suppress=[banned], details=True)] == [r.tokens for r in got]
+    with pytest.raises(UserError, match="suppress: give texts or lists of token ids"):
+        t.translate(LINES[0], suppress=[3.5])
     unk = t.bundle.tgt_dict.unk_word if hasattr(t.bundle.tgt_dict, "unk_word") else "<unk>"
     for r in t.translate(LINES, disable_unk=True, details=True):
         assert unk not in r.tokens
