@@ -368,6 +368,23 @@ def test_cli_generate_binarized_split(ckpt, tmp_path):
         run_cli(["generate", str(data_bin), "--path", str(ckpt)])
 
 
+def test_cli_generate_prefix_size_forces_the_references_first_tokens(ckpt, tmp_path):
+    """fairseq's --prefix-size N: each hypothesis starts with its reference's first N tokens, as a prefix given to
+    the library would make it."""
+    from attnmt import Translator
+
+    lines, refs = SENTENCES[:6], _lines(6, 7)
+    data_bin = _data_bin(ckpt, tmp_path, lines, refs)
+    fs, _ = run_cli(["generate", str(data_bin), "--path", str(ckpt), "--max-len-b", "12", "--format", "fairseq",
+                     "--prefix-size", "2"])
+    hyps = {int(ln.split("\t")[0][2:]): ln.split("\t")[2].split() for ln in fs.splitlines() if ln.startswith("H-")}
+    with Translator(str(ckpt), max_len_b=12) as t:
+        for i, ref in enumerate(refs):
+            first = t.bundle.tgt_pipeline.encode(ref).split()[:2]
+            assert hyps[i][:2] == first
+            assert hyps[i] == t.translate(lines[i], prefix=t.bundle.detokenize(" ".join(first)), details=True).tokens[:-1]
+
+
 def test_cli_generate_print_alignment_hard_and_soft(ckpt, tmp_path):
     """fairseq's A- lines: soft rows are the head-averaged last-layer attention of each target token (final </s>
     included) over the source tokens (</s> included); hard pairs are each row's most attended source token, the
