@@ -25,39 +25,19 @@ def command(data_bin, output, source_lang, target_lang, subset, top_k, frequent)
     \b
     attnmt build-shortlist data-bin/wmt14 -o wmt14.vmap --top-k 50 --frequent 100
     """
-    import os
-
-    from attnmt.data import indexed
-    from attnmt.data.dictionary import Dictionary
-    from attnmt.data.meta import DataBinInfo
-    from attnmt.errors import UserError
     from attnmt.fileio import check_output_file
     from attnmt.generation.shortlist import build
+    from attnmt.tasks.translation import TranslationConfig, TranslationTask
 
-    info = DataBinInfo.read(data_bin)
-    src, tgt = source_lang or info.source_lang, target_lang or info.target_lang
-    if not src or not tgt:
-        raise UserError(f"{data_bin}: no preprocess.json names the languages; give -s SRC -t TGT")
     check_output_file(output, "--output")
-    dicts = [Dictionary.load(os.path.join(data_bin, f"dict.{lang}.txt")) for lang in (src, tgt)]
-    prefix = indexed.pair_prefix(data_bin, subset, src, tgt)
-    sides = []
-    for lang, d in zip((src, tgt), dicts):
-        if not indexed.exists(f"{prefix}.{lang}"):
-            raise UserError(f"{prefix}.{lang}.bin/.idx: not found; binarize the {subset} split with attnmt "
-                            f"preprocess (or give --subset)")
-        data = indexed.IndexedDataset(f"{prefix}.{lang}")
-        data.check_ids(len(d), f"dict.{lang}.txt")
-        sides.append(data)
-    if len(sides[0]) != len(sides[1]):
-        raise UserError(f"{prefix}: {len(sides[0])} source but {len(sides[1])} target sentences; re-run attnmt "
-                        f"preprocess")
-    sd, td = dicts
-    specials = sorted({i for d in dicts for i in (d.bos(), d.pad(), d.eos(), d.unk()) if i is not None})
-    pairs = ((sides[0][i], sides[1][i]) for i in range(len(sides[0])))
+    task = TranslationTask(TranslationConfig(source_lang=source_lang, target_lang=target_lang), data_bin)
+    data = task.dataset(subset)  # the split's two sides, checked against the dictionaries
+    sd, td = task.src_dict, task.tgt_dict
+    specials = sorted({i for d in (sd, td) for i in (d.bos(), d.pad(), d.eos(), d.unk()) if i is not None})
+    pairs = ((data.src[i], data.tgt[i]) for i in range(len(data)))
     shortlist = build(pairs, len(sd), len(td), specials, top_k=top_k, frequent=frequent)
     shortlist.write(output, sd, td)
     sizes = [len(v) for v in shortlist.rules.values()]
     click.echo(f"wrote {output}: {len(shortlist.always)} always-candidates, {len(shortlist.rules)} source tokens "
-               f"with up to {max(sizes, default=0)} target tokens each, from {len(sides[0]):,} {subset} pairs",
+               f"with up to {max(sizes, default=0)} target tokens each, from {len(data):,} {subset} pairs",
                err=True)
