@@ -75,7 +75,7 @@ class GenerationConfig:
     shortlist: str | None = field(default=None, metadata={
         "help": "A vocabulary shortlist (attnmt build-shortlist; CTranslate2's vmap.txt format): each batch is "
                 "searched over the target tokens its source words map to, the projection to the vocabulary "
-                "computed for those only (faster on big vocabularies)."})
+                "computed for those only."})
 
     def __post_init__(self):
         if self.max_tokens is not None and self.max_tokens < 0:
