@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from attnmt.backends import warn_if_forked
 from attnmt.errors import UserError
 from attnmt.generation.search import Hypothesis, SearchConfig
 
@@ -210,6 +211,7 @@ class Translator:
     def alternatives_encoded(self, sources: list[list[int]], guide, min_prob: float = 0.0, details: bool = False,
                              **search: Any):
         """:meth:`alternatives` for sentences already encoded (what the service calls)."""
+        warn_if_forked()
         n = search.pop("nbest", None) or self.search_cfg.nbest  # alternatives, each searched alone: not bound by beam
         if not (isinstance(n, int) and 1 <= n <= 1024):
             raise UserError(f"nbest (the number of alternatives) must be an integer from 1 to 1024, got {shown_value(n)}")
@@ -241,6 +243,7 @@ class Translator:
         """``translate`` for sentences already encoded (``encode``): what the service calls per batch.
         ``cancelled()``: asked between search batches; True stops there (the sentences not searched get None);
         ``guide``: the sentences' :meth:`guidance`."""
+        warn_if_forked()
         generator = self.generator_for(search)
         limit = self.max_source_tokens()
         if not self.gen_cfg.truncate_source:
@@ -407,6 +410,7 @@ class Translator:
     def score_encoded(self, sources: list[list[int]], targets: list[list[int]]) -> list[list[float]]:
         """Per-token log-probabilities of each target (ids, final </s> included) given its source (ids), in one
         batch."""
+        warn_if_forked()
         from attnmt.generation.forced import reference_log_probs
 
         return reference_log_probs(self.generator, sources, targets)

@@ -17,7 +17,7 @@ import errno
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
@@ -139,7 +139,8 @@ def exclusive(lock_file: str | os.PathLike, what: str, fix: str) -> Iterator[Non
     """Hold an exclusive lock on ``lock_file`` (``flock``; created if needed) for the block: one attnmt process
     at a time writes ``what``. A second one fails at once with a UserError naming the holder (its pid, command
     and start time, recorded in the file) and ``fix``. The kernel drops the lock when its holder dies, however
-    it dies: a stale lock file never blocks anyone; the holder removes the file when the block ends."""
+    it dies: a stale lock file never blocks anyone; the holder removes the file when the block ends. A symbolic
+    link in the lock file's place is refused, never followed."""
     import fcntl
     import json
     import sys
@@ -147,9 +148,12 @@ def exclusive(lock_file: str | os.PathLike, what: str, fix: str) -> Iterator[Non
 
     lock_file = Path(lock_file)
     while True:
-        try:
-            fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # never through a symbolic link: the lock file is attnmt's own, and is written to
+            fd = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise UserError(f"{lock_file}: is a symbolic link (to {os.path.realpath(lock_file)}), which attnmt's "
+                                f"lock file never is; remove the link (rm {lock_file}) and run again") from None
             raise (write_error(lock_file, e) if e.errno in WRITE_ERRNOS else e) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -264,34 +268,98 @@ def atomic_torch_save(obj, path: str | os.PathLike) -> None:
             from None
 
 
-def write_directory(output_dir: str | os.PathLike, force: bool, write) -> str:
+MARKER = ".attnmt-output.json"  # in every directory write_directory makes: what wrote it
+
+
+def _replaceable(out: Path, command: str, known: Callable[[str], bool] | None) -> str | None:
+    """Why ``--force`` may not replace the existing directory ``out`` (None: it may): only a directory that
+    ``command`` wrote (its marker says so) or, from before markers, one holding nothing but files that
+    ``known`` recognises as ``command``'s own."""
+    import json
+
+    try:
+        record = json.loads((out / MARKER).read_text(encoding="utf-8"))
+        if isinstance(record, dict) and record.get("command") == command:
+            return None
+    except (OSError, ValueError):
+        pass
+    try:
+        entries = list(out.iterdir())
+    except OSError as e:
+        return f"it cannot be read ({e.strerror or e})"
+    foreign = [p.name for p in entries if p.name != MARKER and not (
+        known is not None and known(p.name) and p.is_file() and not p.is_symlink())]
+    if entries and foreign:
+        return (f"it holds {', '.join(sorted(foreign)[:3])}{' ...' if len(foreign) > 3 else ''}, which attnmt "
+                f"{command} did not write")
+    return None
+
+
+def write_directory(output_dir: str | os.PathLike, force: bool, write, command: str = "export",
+                    known: Callable[[str], bool] | None = None) -> str:
     """Make the directory ``output_dir`` whole or not at all: ``write(tmp)`` fills a new directory beside it, which
     is then renamed into place; with ``force`` an existing ``output_dir`` is replaced, and goes only once the new
-    one is complete (a failure, a full disk, leaves the old state). Half-written directories of killed runs are
-    removed first."""
+    one is complete (a failure, a full disk, leaves the old state), and only where ``attnmt COMMAND`` wrote it
+    (the :data:`MARKER` file it leaves, or only files ``known`` names as its own): a directory of the user's
+    is never deleted. A symbolic link stays and its target is replaced. Half-written directories of killed runs
+    are removed first."""
+    import json
+    import time
+
     out = Path(output_dir)
-    if out.exists() and not force:
-        raise UserError(f"{out}: --output-dir already exists; use --force to replace it, or choose another")
-    if out.exists() and not out.is_dir():
+    if out.is_symlink():
+        real = Path(os.path.realpath(out))
+        if not real.exists():
+            raise UserError(f"{out}: --output-dir is a symbolic link to {real}, which does not exist; give a "
+                            f"directory (or make the link's target)")
+        target = real
+    else:
+        target = out
+    if target.exists() and not target.is_dir():
         raise UserError(f"{out}: --output-dir is a file; choose a directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(out.parent, out.name)
-    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out.name), dir=out.parent))
+    if target.exists():
+        if not force:
+            raise UserError(f"{out}: --output-dir already exists; use --force to replace it, or choose another")
+        real, here = Path(os.path.realpath(target)), Path(os.path.realpath(os.getcwd()))
+        if real == here or real in here.parents or os.path.ismount(real):
+            what = "a mount point" if os.path.ismount(real) else (
+                "the working directory" if real == here else "a directory above the working directory")
+            raise UserError(f"{out}: --output-dir is {what}, which cannot be replaced as a whole; give a directory "
+                            f"inside it, e.g. {out / 'model'}")
+        why = _replaceable(target, command, known)
+        if why is not None:
+            raise UserError(f"{out}: --force replaces only a directory that attnmt {command} wrote, and {why}; "
+                            f"move those files away or choose another --output-dir")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(target.parent, target.name)
+        tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(target.name), dir=target.parent))
+    except OSError as e:
+        raise (write_error(out, e, "--output-dir") if e.errno in WRITE_ERRNOS else e) from None
     os.chmod(tmp, 0o777 & ~umask())  # a model directory as mkdir would make it (mkdtemp's is private)
     try:
         try:
             write(tmp)
+            (tmp / MARKER).write_text(json.dumps({"command": command, "written": time.strftime(
+                "%Y-%m-%d %H:%M:%S")}) + "\n", encoding="utf-8")
         except OSError as e:
             if e.errno in WRITE_ERRNOS:
                 raise write_error(out, e, "--output-dir") from None
             raise
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=temp_prefix(out.name), dir=out.parent))
-            os.replace(out, old / "old")
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
+        try:
+            if target.exists():
+                old = Path(tempfile.mkdtemp(prefix=temp_prefix(target.name), dir=target.parent))
+                os.replace(target, old / "old")
+                try:
+                    os.replace(tmp, target)
+                except OSError:
+                    os.replace(old / "old", target)
+                    raise
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, target)
+        except OSError as e:
+            raise UserError(f"{out}: cannot replace --output-dir ({e.strerror or e}); choose another") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return str(out)

@@ -100,11 +100,25 @@ class TrainLog:
         return not len(self.train_loss) and not any(len(s) for s in self.valid_loss.values())
 
 
+MAX_RECORD_BYTES = 1 << 20  # attnmt's records are a few hundred bytes; a longer line is not one of them
+
+
+def _short(value) -> str:
+    """``repr(value)`` cut to a length an error line can carry."""
+    text = repr(value) if not isinstance(value, int) or abs(value) < 10**40 else f"an integer of {len(str(value))} digits"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _text(value) -> str:
+    """A string from the log as printable text (a lone surrogate, which no file can hold, escaped)."""
+    return str(value).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _number(rec: dict, key: str, path: Path, lineno: int) -> float:
     v = rec.get(key)
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise UserError(f"{path}:{lineno}: a '{rec.get('type')}' record without a numeric '{key}' (got {v!r}); "
-                        f"pass the train.jsonl written by attnmt train")
+        raise UserError(f"{path}:{lineno}: a '{_text(rec.get('type'))[:20]}' record without a numeric '{key}' (got "
+                        f"{_short(v)}); pass the train.jsonl written by attnmt train")
     v = float(v)
     return v if math.isfinite(v) else math.nan  # a diverged run logs inf/NaN: a gap in the curve
 
@@ -133,12 +147,17 @@ def read_train_log(path: str | Path) -> TrainLog:
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
+        if len(line) > MAX_RECORD_BYTES:
+            raise UserError(f"{path}:{lineno}: a line of {len(line):,} characters, not a record of attnmt train; {fix}")
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
             if lineno - 1 == unterminated:
                 continue
             raise UserError(f"{path}:{lineno}: not a JSON record ({e.msg}); {fix}") from None
+        except (ValueError, RecursionError) as e:  # too deeply nested, an integer past Python's digit limit
+            why = "nested too deeply" if isinstance(e, RecursionError) else str(e).split(":")[0][:80]
+            raise UserError(f"{path}:{lineno}: not a record of attnmt train ({why}); {fix}") from None
         if not isinstance(rec, dict):
             raise UserError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}; {fix}")
         kind = rec.get("type")
@@ -146,11 +165,12 @@ def read_train_log(path: str | Path) -> TrainLog:
             continue  # summaries and records of other kinds carry no curve point
         n = rec.get("num_updates")
         if isinstance(n, bool) or not isinstance(n, int):
-            raise UserError(f"{path}:{lineno}: a '{kind}' record without an integer 'num_updates' (got {n!r}); {fix}")
+            raise UserError(f"{path}:{lineno}: a '{kind}' record without an integer 'num_updates' (got {_short(n)}); "
+                            f"{fix}")
         if kind == "train":
             log.train_loss.add(n, _number(rec, "loss", path, lineno))
             continue
-        subset = str(rec.get("subset") or "valid")
+        subset = _text(rec.get("subset") or "valid")[:80]
         log.valid_loss.setdefault(subset, Series()).add(n, _number(rec, "loss", path, lineno))
         if rec.get("bleu") is not None:
             log.valid_bleu.setdefault(subset, Series()).add(n, _number(rec, "bleu", path, lineno))

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -470,9 +471,351 @@ def data_cases() -> list[Case]:
     ]
 
 
+def _user_dir(name: str, files: dict[str, str]):
+    def setup(d: Path) -> None:
+        for rel, text in files.items():
+            f = d / name / rel
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_text(text)
+    return setup
+
+
+def _kept(path: str, text: str):
+    def check(r: Result) -> str | None:
+        f = r.cwd / path
+        return None if f.is_file() and f.read_text() == text else f"{path} was lost or changed"
+    return check
+
+
+def _no_traceback(r: Result) -> str | None:
+    return "traceback" if r.traceback else None
+
+
+def _digests(d: Path) -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*"))
+            if p.is_file()}
+
+
+def directory_cases() -> list[Case]:
+    export = "$A export --path $MODEL --to ctranslate2"
+
+    def first_export(d: Path) -> None:
+        run(f"{os.environ['_A']} export --path {os.environ['_MODEL']} --to huggingface --output-dir hf", d,
+            check=True)
+        (d / "before.json").write_text(json.dumps(_digests(d / "hf")))
+
+    def whole(r: Result) -> str | None:
+        before = json.loads((r.cwd / "before.json").read_text())
+        return None if _digests(r.cwd / "hf") == before else "the directory is neither the old export nor a new one"
+
+    def dangling(d: Path) -> None:
+        (d / "ct2").symlink_to(d / "nowhere")
+
+    def names_user_path(r: Result) -> str | None:
+        last = (r.err.strip().splitlines() or [""])[-1]
+        return f"the error names a temp directory: {last[:100]}" if ".ct2." in last else None
+
+    return [
+        Case("directory outputs", "export --force over a directory of the user's", f"{export} --output-dir mine --force",
+             both(expect_error("mine"), _kept("mine/notes.txt", "precious\n")),
+             setup=_user_dir("mine", {"notes.txt": "precious\n"})),
+        Case("directory outputs", "export --force --output-dir . (the working directory)",
+             f"cd here && {export} --output-dir . --force", both(expect_error("."), _kept("here/notes.txt", "mine\n")),
+             setup=_user_dir("here", {"notes.txt": "mine\n"})),
+        Case("directory outputs", "export --force over an earlier export", f"{export} --output-dir ct2 && "
+             f"{export} --output-dir ct2 --force && test -f ct2/model.bin", expect_ok()),
+        Case("directory outputs", "export to a dangling symlink", f"{export} --output-dir ct2",
+             both(expect_error("ct2"), names_user_path), setup=dangling),
+        Case("directory outputs", "export --to huggingface --force into a full disk over an earlier export",
+             "(ulimit -f 64; $A export --path $MODEL --to huggingface --output-dir hf --force); exit 0",
+             whole, setup=first_export),
+    ]
+
+
+def _fairseq_file(d: Path, name: str = "fs.pt", edit=None, raw=None) -> None:
+    """The fixture's model as fairseq-train 0.12 would have written it (options as a dict, fairseq's names)."""
+    import torch
+
+    from attnmt.interop.fairseq import SAME_FIELDS, convert_to_fairseq
+
+    ck = torch.load(os.environ["_MODEL"], weights_only=True)
+    cfg = ck["model_config"]
+    options = {k: cfg[k] for k in SAME_FIELDS} | {"arch": "transformer", "encoder_learned_pos": True,
+                                                  "decoder_learned_pos": True, "activation_fn": "relu"}
+    fs = {"args": None, "cfg": {"model": options, "task": {"source_lang": "en", "target_lang": "de"}},
+          "model": convert_to_fairseq(ck, pad=1)}
+    if edit:
+        edit(fs)
+    torch.save(fs if raw is None else raw, d / name)
+
+
+def _flip_bytes(path: Path, count: int = 200) -> None:
+    data = bytearray(path.read_bytes())
+    start = len(data) // 2
+    for i in range(start, start + count):
+        data[i] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
+def integrity_cases() -> list[Case]:
+    tr = "echo 'A man.' | $A translate --path bad.pt"
+    imp = "$A import-fairseq fs.pt --data $BIN -o model.pt"
+
+    def nan_attnmt(d: Path) -> None:
+        _hostile_checkpoint(lambda ck: ck["model"]["decoder.layers.0.ffn.fc1.weight"].fill_(float("nan")))(d)
+
+    def flipped_attnmt(d: Path) -> None:
+        import shutil
+
+        shutil.copy(os.environ["_MODEL"], d / "bad.pt")
+        _flip_bytes(d / "bad.pt")
+
+    def nan_fairseq(d: Path) -> None:
+        _fairseq_file(d, edit=lambda fs: fs["model"]["decoder.layers.0.fc1.weight"].fill_(float("nan")))
+
+    def flipped_fairseq(d: Path) -> None:
+        _fairseq_file(d)
+        _flip_bytes(d / "fs.pt")
+
+    def copy_fairseq(d: Path) -> None:
+        _fairseq_file(d)
+        (d / "before.json").write_text(json.dumps(_digests(d)))
+
+    def original_kept(r: Result) -> str | None:
+        before = json.loads((r.cwd / "before.json").read_text())
+        return None if _digests(r.cwd).get("fs.pt") == before["fs.pt"] else "the fairseq checkpoint was replaced"
+
+    return [
+        Case("checkpoint integrity", "a checkpoint with NaN weights", tr, expect_error("bad.pt", "NaN"),
+             setup=nan_attnmt),
+        Case("checkpoint integrity", "a checkpoint with 200 flipped bytes", tr, expect_error("bad.pt"),
+             setup=flipped_attnmt),
+        Case("checkpoint integrity", "import-fairseq of NaN weights", imp, expect_error("fs.pt", "NaN"),
+             setup=nan_fairseq),
+        Case("checkpoint integrity", "import-fairseq of a checkpoint with 200 flipped bytes", imp,
+             expect_error("fs.pt"), setup=flipped_fairseq),
+        Case("checkpoint integrity", "import-fairseq --output equal to its input",
+             "$A import-fairseq fs.pt --data $BIN -o fs.pt", both(expect_error("fs.pt"), original_kept),
+             setup=copy_fairseq),
+        Case("checkpoint integrity", "import-fairseq, then translate (a valid checkpoint still works)",
+             f"{imp} && echo 'A man.' | $A translate --path model.pt", expect_ok(), setup=_fairseq_file),
+    ]
+
+
+def import_cases() -> list[Case]:
+    imp = "$A import-fairseq fs.pt --data $BIN -o model.pt"
+
+    def edited(edit=None, raw=None):
+        return lambda d: _fairseq_file(d, edit=edit, raw=raw)
+
+    def drop(key):
+        return edited(lambda fs: fs["model"].pop(key))
+
+    def setcfg(**kv):
+        return edited(lambda fs: fs["cfg"]["model"].update(kv))
+
+    def args_as(value):
+        def edit(fs):
+            fs["args"], fs["cfg"] = value, None
+        return edited(edit)
+
+    def non_tensor(fs):
+        fs["model"]["encoder.embed_tokens.weight"] = [[0.0] * 4] * 3
+
+    def empty(d: Path) -> None:
+        (d / "fs.pt").write_bytes(b"")
+
+    def truncated(d: Path) -> None:
+        _fairseq_file(d)
+        data = (d / "fs.pt").read_bytes()
+        (d / "fs.pt").write_bytes(data[: len(data) // 2])
+
+    cases = [
+        ("a missing weight", drop("decoder.layers.0.fc1.weight")),
+        ("missing embeddings", drop("encoder.embed_tokens.weight")),
+        ("args as a dict", args_as({"arch": "transformer"})),
+        ("args as an int", args_as(7)),
+        ("cfg.model as a list", edited(lambda fs: fs["cfg"].update(model=[1, 2]))),
+        ("a list instead of a dict", edited(raw=[1, 2, 3])),
+        ("an empty file", empty),
+        ("a truncated file", truncated),
+        ("non-tensor embeddings", edited(non_tensor)),
+        ("encoder_layers -2", setcfg(encoder_layers=-2)),
+        ("encoder_layers as a string", setcfg(encoder_layers="six")),
+        ("decoder_embed_dim 2**40", setcfg(decoder_embed_dim=2**40)),
+    ]
+    out = []
+    for name, setup in cases:
+        def check(r: Result) -> str | None:
+            bad = expect_error("fs.pt")(r)
+            if bad:
+                return bad
+            last = r.err.strip().splitlines()[-1]
+            if "--encoder-layers" in last or "--decoder-embed-dim" in last:
+                return "the error reads as a command-line option"
+            return None
+        out.append(Case("hostile fairseq checkpoints", name, imp, both(check, no_files("model.pt")), setup=setup))
+    return out
+
+
+def lockfile_cases() -> list[Case]:
+    train = f"$A train bin {TINY} --max-tokens 2048 --max-update 1 --save-dir ckpt --progress none --threads 2"
+    prep = ("$A preprocess -q -s en -t de --trainpref $RAW/train --validpref $RAW/valid --destdir out "
+            "--bpe sentencepiece --vocab-size 600 --joined-dictionary --workers 1")
+
+    def linked(lock: str):
+        def setup(d: Path) -> None:
+            import shutil
+
+            shutil.copytree(os.environ["_BIN"], d / "bin")
+            (d / "ckpt").mkdir()
+            (d / "victim.txt").write_text("precious\n")
+            (d / lock).symlink_to(d / "victim.txt")
+        return setup
+
+    return [
+        Case("lock files", "train: --save-dir's .attnmt.lock is a symlink to a user's file", train,
+             both(_kept("victim.txt", "precious\n"), _no_traceback), setup=linked("ckpt/.attnmt.lock")),
+        Case("lock files", "preprocess: .DESTDIR.lock is a symlink to a user's file", prep,
+             both(_kept("victim.txt", "precious\n"), _no_traceback), setup=linked(".out.lock")),
+    ]
+
+
+def generate_output_cases() -> list[Case]:
+    gen = "$A generate $BIN --path $MODEL --gen-subset test --quiet"
+
+    def long_line(d: Path) -> None:
+        lines = ["A man is riding a bike."] * 5
+        lines[2] = " ".join(["word"] * 2000)
+        (d / "in.txt").write_text("\n".join(lines) + "\n")
+
+    return [
+        Case("generate output", "generate --fairseq --format plain writes one line a sentence",
+             f"{gen} --fairseq --format plain --output out.txt && wc -l < out.txt",
+             expect_ok(lambda r: None if r.out.strip() == "100" else f"{r.out.strip()} lines for 100 sentences")),
+        Case("generate output", "--skip-invalid-size-inputs-valid-test names the line",
+             "$A generate --input in.txt --path $MODEL --skip-invalid-size-inputs-valid-test > out.txt",
+             both(expect_ok(), says("line 3")), setup=long_line),
+    ]
+
+
+def _held_lock(d: Path) -> None:
+    """A warm kernel cache, its library removed, and its lock held by another process for 300 s."""
+    run(f"echo 'A man.' | {os.environ['_A']} translate --path {os.environ['_MODEL']}", d,
+        env={"ATTNMT_CACHE_DIR": str(d / "cache")}, check=True)
+    for so in (d / "cache").glob("kernels-*.so"):
+        so.unlink()
+        lock = so.with_suffix(".lock")
+        lock.touch()
+        subprocess.Popen(["flock", str(lock), "sleep", "300"], start_new_session=True)
+
+
+def _dead_build(d: Path) -> None:
+    run(f"echo 'A man.' | {os.environ['_A']} translate --path {os.environ['_MODEL']}", d,
+        env={"ATTNMT_CACHE_DIR": str(d / "cache")}, check=True)
+    for so in (d / "cache").glob("kernels-*.so"):
+        so.unlink()
+        old = d / "cache" / "tmpdead0123.so.tmp"  # as builds before the pid was in the name left them, 2 h ago
+        old.write_bytes(b"\x7fELF half")
+        os.utime(old, (time.time() - 7200, time.time() - 7200))
+        (d / "cache" / f".{so.name}.{_dead_pid()}.x1.tmp").write_bytes(b"\x7fELF half")
+
+
+def kernel_cache_cases() -> list[Case]:
+    translate = "echo 'A man is riding a bike.' | $A translate --path $MODEL --threads 2"
+    env = {"ATTNMT_CACHE_DIR": "cache", "ATTNMT_KERNEL_BUILD_TIMEOUT": "10"}
+
+    def release(r: Result) -> str | None:
+        subprocess.run(["pkill", "-f", f"flock {r.cwd}/cache"], check=False)
+        return None
+
+    return [
+        Case("kernel cache", "a cache entry's lock held by another process (build limit 10 s)", translate,
+             both(release, expect_ok(lambda r: None if r.out.strip() else "no translation"), says("kernels")),
+             setup=_held_lock, env=env, timeout=60),
+        Case("kernel cache", "temp files of a killed build", translate,
+             both(expect_ok(), no_files("*.tmp", "cache")), setup=_dead_build, env=env),
+    ]
+
+
+FORK = """
+import os, sys
+from attnmt import Translator
+t = Translator(sys.argv[1], threads=2)
+print(t.translate("A man is riding a bike."), flush=True)
+pid = os.fork()
+if pid == 0:
+    print(t.translate("A woman is walking."), flush=True)
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def process_cases() -> list[Case]:
+    def two_lines(r: Result) -> str | None:
+        return None if len(r.out.strip().splitlines()) == 2 else "the forked child did not translate"
+
+    def serve(first: str, second: str) -> str:  # five times, the second signal 0-300 ms after the first
+        return ("for gap in 0 0.02 0.05 0.1 0.3; do "
+                "$A serve --path $MODEL --port 0 > serve.out 2> serve.err & pid=$!; "
+                "until grep -q serving serve.err || ! kill -0 $pid 2>/dev/null; do sleep 0.2; done; "
+                f"kill -{first} $pid; sleep $gap; kill -{second} $pid; wait $pid; echo rc=$? >&2; cat serve.err >&2; "
+                "done")
+
+    def stopped(r: Result) -> str | None:
+        if r.traceback:
+            return f"traceback ({r.err.count('Traceback')} of 5 runs)"
+        bad = [line for line in r.err.splitlines() if line.startswith("rc=") and line not in ("rc=0", "rc=130",
+                                                                                               "rc=143")]
+        return f"{bad[0]}" if bad else None
+
+    return [
+        Case("processes", "a process forked from one holding a Translator translates",
+             "$PY fork.py $MODEL", expect_ok(two_lines), setup=_write("fork.py", FORK), timeout=90),
+        Case("processes", "serve: two SIGINTs (5 runs, 0-300 ms apart)", serve("INT", "INT"), stopped, timeout=240),
+        Case("processes", "serve: SIGTERM, then SIGINT (5 runs, 0-300 ms apart)", serve("TERM", "INT"), stopped,
+             timeout=240),
+    ]
+
+
+def _log_line(line: str | bytes):
+    def setup(d: Path) -> None:
+        good = json.dumps({"type": "train", "num_updates": 1, "loss": 5.0}) + "\n"
+        data = good.encode() + (line if isinstance(line, bytes) else line.encode("utf-8", "surrogatepass")) + b"\n"
+        (d / "train.jsonl").write_bytes(data + (json.dumps({"type": "train", "num_updates": 2, "loss": 4.0}) +
+                                                "\n").encode())
+    return setup
+
+
+def plot_cases() -> list[Case]:
+    plot = "$A plot curves --log train.jsonl --out curves.png"
+
+    def short(r: Result) -> str | None:
+        return None if len(r.err) < 2000 else f"{len(r.err):,} characters on stderr"
+
+    deep = "[" * 100_000 + "]" * 100_000
+    return [
+        Case("plots", "a deeply nested line", plot, both(expect_error("train.jsonl:2"), short),
+             setup=_log_line(deep)),
+        Case("plots", "a 5,000-digit integer", plot, both(expect_error("train.jsonl:2"), short),
+             setup=_log_line('{"type": "train", "num_updates": ' + "9" * 5000 + ', "loss": 1}')),
+        Case("plots", "a lone surrogate in a subset name", plot, expect_ok(),
+             setup=_log_line('{"type": "valid", "subset": "\\ud800", "num_updates": 2, "loss": 1.0}')),
+        Case("plots", "a 5 MB value in the error", plot, both(expect_error("train.jsonl:2"), short),
+             setup=_log_line('{"type": "train", "num_updates": 3, "loss": "' + "x" * 5_000_000 + '"}')),
+    ]
+
+
 KINDS = {"kernels": kernel_cases, "checkpoints": checkpoint_cases, "temp files": temp_cases, "locks": lock_cases,
          "hostile checkpoints": hostile_cases, "options": option_cases, "workers": worker_cases,
-         "outputs": output_cases, "plugins": plugin_cases, "data": data_cases}
+         "outputs": output_cases, "plugins": plugin_cases, "data": data_cases,
+         "directory outputs": directory_cases, "checkpoint integrity": integrity_cases,
+         "hostile fairseq checkpoints": import_cases, "lock files": lockfile_cases,
+         "generate output": generate_output_cases, "kernel cache": kernel_cache_cases, "processes": process_cases,
+         "plots": plot_cases}
 
 
 def main() -> None:

@@ -23,7 +23,8 @@ CHECK_TOLERANCE = 1e-3
 @click.option("--output-dir", required=True, metavar="DIR", help="Where to write the model.")
 @click.option("--quantization", type=click.Choice(["int8", "int8_float32", "int16", "float16", "bfloat16"]),
               help="CTranslate2 weight type (default float32).")
-@click.option("--force", is_flag=True, help="Replace --output-dir's CTranslate2 or Hugging Face model if there is one.")
+@click.option("--force", is_flag=True, help="Replace --output-dir if an earlier attnmt export wrote it (never a "
+              "directory of other files); the old one goes only once the new one is complete.")
 @click.option("--check", "check_file", metavar="FILE", help="Compare both toolkits' scores on FILE's first 20 lines.")
 @click.option("--shortlist", metavar="FILE", help="--to ctranslate2: carry this vocabulary shortlist (attnmt "
               "build-shortlist) as the model's vmap.txt, for CTranslate2's use_vmap=True.")
@@ -60,7 +61,7 @@ def command(path, target, output_dir, quantization, force, check_file, shortlist
     else:
         from attnmt.interop.fairseq import check, export_checkpoint
 
-        out = str(export_checkpoint(ckpt, output_dir))
+        out = str(export_checkpoint(ckpt, output_dir, force))
     click.echo(f"attnmt export: wrote {out}", err=True)
     if check_file:
         from attnmt.scoring import read_lines

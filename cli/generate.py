@@ -255,10 +255,11 @@ def command(data_bin, path, gen_subset, input_path, fmt, output, results_path, s
                         or (score_reference and len(ref_ids[i]) > tgt_limit)]
             keep = sorted(set(keep) - set(too_long))
             if too_long and not quiet:
+                shown = ", ".join(str(i + 1) for i in too_long[:10]) + (" ..." if len(too_long) > 10 else "")
                 click.echo(f"attnmt generate: {len(too_long)} sentence(s) longer than the model accepts ({src_limit} "
                            f"source{f', {tgt_limit} target' if score_reference else ''} tokens) skipped "
-                           f"(--skip-invalid-size-inputs-valid-test), ids "
-                           f"{', '.join(map(str, too_long[:10]))}{' ...' if len(too_long) > 10 else ''}", err=True)
+                           f"(--skip-invalid-size-inputs-valid-test): {'line' if len(too_long) == 1 else 'lines'} "
+                           f"{shown} of {where} (ids {', '.join(map(str, too_long[:10]))})", err=True)
         progress = SentenceProgress(len(keep), "translating", quiet=quiet)
         sink = atomic_open(output, "w") if output else contextlib.nullcontext(sys.stdout)
         best: list[str] = []
@@ -282,11 +283,15 @@ def command(data_bin, path, gen_subset, input_path, fmt, output, results_path, s
                                                    alignments=alignments))
                     if fairseq_mode:
                         best.append(bundle.detokenize(bundle.target_pieces(hyps[0].tokens)) if hyps else "")
-                if fairseq_mode and refs is not None:
-                    from attnmt.scoring import fairseq_generate_bleu
+                if fairseq_mode and refs is not None:  # fairseq-generate's closing line: in fairseq's output
+                    from attnmt.scoring import fairseq_generate_bleu  # only (plain output holds translations only)
 
-                    out.write(f"Generate {gen_subset} with beam={search_cfg.beam}: "
-                              f"{fairseq_generate_bleu(best, [refs[i] for i in keep])}\n")
+                    line = (f"Generate {gen_subset} with beam={search_cfg.beam}: "
+                            f"{fairseq_generate_bleu(best, [refs[i] for i in keep])}")
+                    if fmt == "fairseq":
+                        out.write(line + "\n")
+                    else:
+                        click.echo(f"attnmt generate: {line}", err=True)
                 out.flush()
         finally:
             progress.close()

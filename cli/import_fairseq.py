@@ -40,6 +40,9 @@ def command(fairseq_checkpoint, data_dir, srcdict, tgtdict, source_lang, target_
     from attnmt.interop.fairseq import import_checkpoint, read_checkpoint
 
     check_output_file(output, "--output")
+    if Path(output).exists() and Path(fairseq_checkpoint).exists() and Path(output).samefile(fairseq_checkpoint):
+        raise UserError(f"{output}: --output is the fairseq checkpoint being imported, which would be replaced; "
+                        f"write the attnmt checkpoint elsewhere (e.g. -o model.pt)")
     options, _ = read_checkpoint(fairseq_checkpoint)
     src = source_lang or options.get("source_lang")
     tgt = target_lang or options.get("target_lang")

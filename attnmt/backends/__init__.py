@@ -22,7 +22,8 @@ from attnmt.backends.precision import PRECISIONS, Precision, resolve_precision
 
 __all__ = ["Backend", "CpuCapabilities", "Mode", "PRECISIONS", "Precision", "auto_device", "backend_for",
            "configure_process",
-           "cpu", "report", "resolve_device", "resolve_precision", "set_threads", "training_device"]
+           "cpu", "forked_threads", "report", "resolve_device", "resolve_precision", "set_threads",
+           "training_device", "warn_if_forked"]
 
 
 def backend_for(device, precision: str = "fp32") -> Backend:
@@ -41,13 +42,59 @@ def backend_for(device, precision: str = "fp32") -> Backend:
     return Backend(device, precision)
 
 
-def set_threads(threads: int | None) -> None:
-    """The CPU threads this process's PyTorch computes with (``--threads``, a decoding worker's share); None or 0
-    leaves PyTorch's default (every core)."""
+_forked_said = False
+_forked_from = 0  # in a process forked from one that computed on several threads: how many it had
+
+
+def _one_thread_after_fork() -> None:
+    """In a forked child: compute on one thread. GNU OpenMP's thread pool does not survive ``fork``, and a child
+    whose parent ran a parallel region hangs in its first one of more than one thread; one-thread regions never
+    touch the pool."""
+    global _forked_from
     import torch
 
-    if threads:
+    threads = torch.get_num_threads()
+    if threads > 1:
+        torch.set_num_threads(1)
+        _forked_from = threads
+
+
+def forked_threads() -> int:
+    """The threads of the parent this process was forked from, where it had more than one (this process then
+    computes on one); else 0."""
+    return _forked_from
+
+
+def warn_if_forked() -> None:
+    """Say once, on stderr, that this forked process computes on one thread (:func:`forked_threads`)."""
+    global _forked_said
+    if _forked_from and not _forked_said:
+        import sys
+
+        _forked_said = True
+        print(f"attnmt: warning: this process was forked from one that computed on {_forked_from} threads, and "
+              f"computes on one (GNU OpenMP's threads do not survive fork); to use more, create the Translator "
+              f"after the fork or start processes with 'spawn'", file=sys.stderr, flush=True)
+
+
+def set_threads(threads: int | None) -> None:
+    """The CPU threads this process's PyTorch computes with (``--threads``, a decoding worker's share); None or 0
+    leaves PyTorch's default (every core). In a process forked from a multi-threaded one it stays one
+    (:func:`forked_threads`)."""
+    import torch
+
+    if threads and not _forked_from:
         torch.set_num_threads(threads)
+
+
+def _register_fork_handler() -> None:
+    import os
+
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_one_thread_after_fork)
+
+
+_register_fork_handler()
 
 
 def configure_process(mode: Mode, device: str = "auto") -> dict:

@@ -44,6 +44,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -202,15 +203,49 @@ def verified(library: Path) -> bool:
         return False
 
 
+class Busy(Unavailable):
+    """Another process held a cache entry's build lock past the time limit (not remembered as a failed build)."""
+
+
 @contextlib.contextmanager
-def _locked(path: Path):
-    """An exclusive lock on ``path`` (created if needed), held for the block: one build per key at a time."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+def _locked(path: Path, deadline: float):
+    """An exclusive lock on ``path`` (created if needed, never through a symbolic link), held for the block: one
+    build per key at a time. Waits for another holder until ``deadline`` (``time.monotonic()``), then raises
+    :class:`Busy`."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise Busy(f"another process has held the build lock {path} for longer than the build limit "
+                               f"(its compiler may hang; raise {TIMEOUT_SWITCH} to wait longer)") from None
+                time.sleep(0.1)
         yield
     finally:
         os.close(fd)
+
+
+def remove_dead_builds(directory: Path) -> None:
+    """Delete the temp files that killed builds left in the cache: ``.kernels-*.so.PID.*.tmp`` whose process no
+    longer runs, and those of builds before the pid was in the name (``tmp*.so.tmp``) older than an hour."""
+    from attnmt.fileio import pid_alive
+
+    with contextlib.suppress(OSError):
+        for p in directory.iterdir():
+            name = p.name
+            if name.startswith(".kernels-") and name.endswith(".tmp"):
+                pid = name.split(".so.", 1)[-1].split(".", 1)[0]
+                dead = pid.isdigit() and not pid_alive(int(pid))
+            elif name.startswith("tmp") and name.endswith((".so.tmp", ".sha256.tmp")):
+                dead = time.time() - p.stat().st_mtime > 3600
+            else:
+                continue
+            if dead:
+                with contextlib.suppress(OSError):
+                    p.unlink()
 
 
 def _library_path(directory: Path, compiler: list[str], flags: list[str], timeout: float) -> Path:
@@ -240,17 +275,19 @@ def build(isa: str, directory: Path | None = None, openmp: bool = True) -> Path:
     except OSError as e:
         raise Unavailable(f"the kernel cache {directory} cannot be created ({e.strerror or e}); set "
                           f"ATTNMT_CACHE_DIR to a writable directory") from None
+    start = time.monotonic()
     target = _library_path(directory, compiler, flags, timeout)
     if verified(target):
         return target
-    with _locked(target.with_suffix(".lock")):
+    remove_dead_builds(directory)
+    with _locked(target.with_suffix(".lock"), start + timeout):
         if verified(target):  # another process built it while this one waited
             return target
-        fd, tmp = tempfile.mkstemp(suffix=".so.tmp", dir=directory)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp", dir=directory)
         os.close(fd)
         check_tmp = Path(tmp).with_suffix(".sha256.tmp")
-        try:
-            _run([*compiler, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], timeout)
+        try:  # the limit counts from the start of the wait for the lock
+            _run([*compiler, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], max(1.0, start + timeout - time.monotonic()))
             _fsync(Path(tmp))
             check_tmp.write_text(_digest(Path(tmp)) + "\n", encoding="ascii")
             _fsync(check_tmp)
@@ -574,7 +611,7 @@ def library(isa: str) -> ctypes.CDLL | None:
         lib, path = _build_and_load(isa)
     except (OSError, Unavailable, subprocess.SubprocessError) as e:
         reason = _reason(e)
-        if failure is not None:
+        if failure is not None and not isinstance(e, Busy):  # a held lock is another run's, not a failed build
             with contextlib.suppress(OSError):
                 failure.write_text(reason + "\n", encoding="utf-8")
         _status[isa] = f"off ({reason})"

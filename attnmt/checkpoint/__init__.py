@@ -255,16 +255,47 @@ FAIRSEQ_HINT = ("{path}: a fairseq checkpoint, not an attnmt one; convert it onc
                 "--data DATA_BIN --output model.pt (DATA_BIN: the fairseq data-bin with its dict.*.txt)")
 
 
+def verify_bytes(path: str | os.PathLike) -> None:
+    """UserError unless every record of the checkpoint file ``path`` (a zip archive, as ``torch.save`` writes)
+    matches the CRC-32 stored with it: a file damaged on disk or in a copy is refused instead of loading wrong
+    weights. Files of torch's legacy (non-zip) format carry no checksums and pass."""
+    if not zipfile.is_zipfile(path):
+        return
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError) as e:
+        bad, detail = "?", str(e)[:120]
+    else:
+        detail = ""
+    if bad is not None:
+        what = f"its record {bad!r} does not match its checksum" if not detail else f"its archive is damaged: {detail}"
+        raise UserError(f"{path}: the file is damaged ({what}); it was corrupted on disk or in a copy: use "
+                        f"another copy or an earlier checkpoint")
+
+
+def check_finite(weights: dict, path: str | os.PathLike, fix: str = "use an earlier checkpoint") -> None:
+    """UserError naming the first parameter of ``weights`` that holds NaN or infinite values (a diverged run's
+    weights translate to empty lines and train to nothing)."""
+    for name, t in weights.items():
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            count = int((~torch.isfinite(t)).sum())
+            raise UserError(f"{path}: the weights hold NaN or infinite values ({count:,} of {t.numel():,} in {name}); "
+                            f"the run that wrote them diverged: {fix}")
+
+
 def load(path: str | os.PathLike, mmap: bool = False) -> dict:
     """Read a checkpoint safely (``weights_only=True``); anything but a complete attnmt checkpoint is a UserError.
 
     ``mmap``: map the file instead of reading it (zip-format files), so tensors never read are never paged in.
+    The file's checksums (:func:`verify_bytes`) and the weights' finiteness (:func:`check_finite`) are checked.
     """
     path = Path(path)
     if path.is_dir():
         raise UserError(f"{path}: is a directory, not a checkpoint file")
     if not path.is_file():
         raise UserError(f"{path}: no such checkpoint file; check the path")
+    verify_bytes(path)
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap and zipfile.is_zipfile(path))
     except Exception as e:  # truncated file, foreign pickle, ...: the weights-only unpickler fails in many ways
@@ -287,6 +318,7 @@ def load(path: str | os.PathLike, mmap: bool = False) -> dict:
             raise UserError(f"{path}: attnmt checkpoint without {key!r}; the file is incomplete or damaged")
     if not isinstance(ckpt["model"], dict) or not ckpt["model"]:
         raise UserError(f"{path}: checkpoint has no model parameters")
+    check_finite(ckpt["model"], path)
     return ckpt
 
 

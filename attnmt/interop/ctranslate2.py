@@ -117,6 +117,11 @@ def build_spec(ckpt: dict):
     return spec
 
 
+# what a conversion writes (and, from before output markers, what --force recognises as an earlier export's)
+FILES = {"model.bin", "config.json", "vmap.txt", *(f"{side}_vocabulary.{ext}" for side in ("shared", "source", "target")
+                                                  for ext in ("json", "txt"))}
+
+
 def export_model(ckpt: dict, output_dir: str | os.PathLike, quantization: str | None = None,
                  force: bool = False, vmap: str | os.PathLike | None = None) -> str:
     """Write the CTranslate2 model directory ``output_dir`` for the attnmt checkpoint ``ckpt``; ``vmap``: a
@@ -134,7 +139,7 @@ def export_model(ckpt: dict, output_dir: str | os.PathLike, quantization: str | 
         except RuntimeError as e:
             raise UserError(f"{output_dir}: the conversion failed ({e})") from None
 
-    return write_directory(output_dir, force, convert)
+    return write_directory(output_dir, force, convert, known=FILES.__contains__)
 
 
 def check(path: str | os.PathLike, output_dir: str | os.PathLike, lines: list[str]) -> float:

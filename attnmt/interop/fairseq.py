@@ -46,53 +46,119 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict, dict]:
     """(model options, state dict) of a fairseq checkpoint, without fairseq installed.
 
     fairseq 0.12 stores its options as a plain dict (``cfg``) or, from older versions, an ``argparse.Namespace``
-    (``args``); both load with ``weights_only=True``.
+    (``args``); both load with ``weights_only=True``. The file is trusted no more than an attnmt one: its
+    checksums, its structure and its weights' types are checked, each fault a one-line UserError naming it.
     """
+    from attnmt.checkpoint import verify_bytes
+
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: not found; give a fairseq checkpoint (checkpoint_best.pt, model.pt)")
+    verify_bytes(path)
     try:
         with torch.serialization.safe_globals([argparse.Namespace]):
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unpickling failure means: not a checkpoint we can read safely
-        raise UserError(f"{path}: cannot be read as a fairseq checkpoint ({str(e).splitlines()[0][:200]}); give a "
-                        f"checkpoint written by fairseq-train 0.x") from None
-    if not isinstance(ckpt, dict) or "model" not in ckpt:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise UserError(f"{path}: cannot be read as a fairseq checkpoint ({first}); give a checkpoint written by "
+                        f"fairseq-train 0.x") from None
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("model"), dict):
         raise UserError(f"{path}: not a fairseq checkpoint (no 'model' weights); give a file written by "
                         f"fairseq-train")
     if ckpt.get("format") == "attnmt-checkpoint":
         raise UserError(f"{path}: already an attnmt checkpoint; use it as it is")
+    state = ckpt["model"]
+    for key, value in state.items():
+        if not isinstance(key, str) or not isinstance(value, torch.Tensor):
+            raise UserError(f"{path}: the weight {str(key)[:80]!r} is a {type(value).__name__}, not a tensor; the file "
+                            f"is damaged or not a fairseq checkpoint")
+
+    def as_dict(value, what: str) -> dict:
+        if isinstance(value, argparse.Namespace):
+            return dict(vars(value))
+        if isinstance(value, dict):
+            return dict(value)
+        raise UserError(f"{path}: its {what} is a {type(value).__name__}, not fairseq's options; the file is damaged "
+                        f"or not a fairseq checkpoint")
+
     cfg = ckpt.get("cfg")
-    if isinstance(cfg, dict) and cfg.get("model") is not None:
-        model = cfg["model"]
-        options = dict(model) if isinstance(model, dict) else dict(vars(model))
-        task = cfg.get("task") or {}
-        task = task if isinstance(task, dict) else vars(task)
+    if cfg is not None and not isinstance(cfg, dict):
+        raise UserError(f"{path}: its 'cfg' is a {type(cfg).__name__}, not fairseq's options; the file is damaged "
+                        f"or not a fairseq checkpoint")
+    if cfg and cfg.get("model") is not None:
+        options = as_dict(cfg["model"], "'cfg.model'")
+        task = as_dict(cfg.get("task") or {}, "'cfg.task'")
         for key in ("source_lang", "target_lang", "data"):  # the task's, for the defaults of import-fairseq
-            if task.get(key) is not None:
+            if isinstance(task.get(key), str):
                 options.setdefault(key, task[key])
     elif ckpt.get("args") is not None:
-        options = dict(vars(ckpt["args"]))
+        options = as_dict(ckpt["args"], "'args'")
     else:
         raise UserError(f"{path}: holds no model options (neither 'cfg' nor 'args'); give a checkpoint written by "
                         f"fairseq-train")
-    return options, ckpt["model"]
+    return options, state
 
 
-def model_config(options: dict, path: str | os.PathLike) -> dict:
-    """attnmt TransformerConfig fields for a fairseq transformer's options (refusing what attnmt cannot run)."""
+# stored options checked before a model is built from them: (smallest, largest) for counts and sizes
+LIMITS = {"encoder_layers": (1, 1000), "decoder_layers": (1, 1000), "encoder_embed_dim": (2, 65536),
+          "decoder_embed_dim": (2, 65536), "encoder_ffn_embed_dim": (1, 1 << 20), "decoder_ffn_embed_dim": (1, 1 << 20),
+          "encoder_attention_heads": (1, 4096), "decoder_attention_heads": (1, 4096),
+          "max_source_positions": (1, 1 << 20), "max_target_positions": (1, 1 << 20)}
+
+
+def _check_options(cfg: dict, state: dict, path: str | os.PathLike) -> None:
+    """The stored options as numbers in range and as the weights have them (layer counts, widths), so that a
+    damaged or hostile file is named, in its own terms, before anything is built from it."""
+    def bad(key: str, why: str) -> UserError:
+        return UserError(f"{path}: its stored option {key} = {str(cfg.get(key))[:40]!r} {why}; the file is damaged "
+                         f"or was not written by fairseq-train")
+
+    for key, (lo, hi) in LIMITS.items():
+        if key not in cfg:
+            continue
+        v = cfg[key]
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise bad(key, f"is not an integer from {lo} to {hi}")
+    for key in ("dropout", "attention_dropout", "activation_dropout"):
+        v = cfg.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1):
+            raise bad(key, "is not a probability below 1")
+    for side in ("encoder", "decoder"):
+        emb = state.get(f"{side}.embed_tokens.weight")
+        if emb is None or emb.dim() != 2:
+            raise UserError(f"{path}: lacks the weights {side}.embed_tokens.weight (a matrix); the file is incomplete "
+                            f"or not a fairseq transformer")
+        layers = {int(k.split(".")[2]) for k in state if k.startswith(f"{side}.layers.") and k.split(".")[2].isdigit()}
+        dim, heads = cfg.get(f"{side}_embed_dim", emb.size(1)), cfg.get(f"{side}_attention_heads", 1)
+        if cfg.get(f"{side}_layers") is not None and len(layers) != cfg[f"{side}_layers"]:
+            raise bad(f"{side}_layers", f"but the file holds the weights of {len(layers)} {side} layers")
+        if dim != emb.size(1):
+            raise bad(f"{side}_embed_dim", f"but its embeddings are {emb.size(1)} wide")
+        if dim % heads:
+            raise bad(f"{side}_attention_heads", f"does not divide {side}_embed_dim {dim}")
+        fc1 = state.get(f"{side}.layers.0.fc1.weight")
+        ffn = cfg.get(f"{side}_ffn_embed_dim")
+        if fc1 is not None and ffn is not None and fc1.size(0) != ffn:
+            raise bad(f"{side}_ffn_embed_dim", f"but its feed-forward layers are {fc1.size(0)} wide")
+
+
+def model_config(options: dict, path: str | os.PathLike, state: dict | None = None) -> dict:
+    """attnmt TransformerConfig fields for a fairseq transformer's options (refusing what attnmt cannot run, and,
+    given its weights ``state``, options that do not fit them)."""
     arch = str(options.get("arch") or options.get("_name") or "")
     if not arch.startswith("transformer") or arch.startswith(("transformer_lm", "transformer_align")) \
             or arch.endswith("_align"):
-        raise UserError(f"{path}: a fairseq '{arch}' model; attnmt imports fairseq's transformer translation "
+        raise UserError(f"{path}: a fairseq '{arch[:60]}' model; attnmt imports fairseq's transformer translation "
                         f"models (transformer, transformer_wmt_en_de, transformer_vaswani_wmt_en_de_big, ...)")
     for key, want in MUST_BE.items():
         got = options.get(key)
         if got is None or got == want or (not want and not got):
             continue
-        raise UserError(f"{path}: --{key.replace('_', '-')} {got} has no counterpart in attnmt's Transformer "
-                            f"(it needs {want}); this model cannot be imported")
+        raise UserError(f"{path}: --{key.replace('_', '-')} {str(got)[:40]} has no counterpart in attnmt's Transformer "
+                        f"(it needs {want}); this model cannot be imported")
     cfg = {k: options[k] for k in SAME_FIELDS if options.get(k) is not None}
+    if state is not None:
+        _check_options(cfg, state, path)
     cfg["learned_pos"] = True  # fairseq's positions, as a table (its sinusoids or its learned rows)
     return cfg
 
@@ -144,6 +210,9 @@ def convert_from_fairseq(options: dict, state: dict, cfg: dict, pad: int) -> dic
 
     def positions(side: str, dim: int, count: int) -> torch.Tensor:
         learned = options.get(f"{side}_learned_pos")
+        if learned and f"{side}.embed_positions.weight" not in state:
+            raise UserError(f"lacks the weights {side}.embed_positions.weight (its learned positions); the file is "
+                            f"incomplete")
         table = state[f"{side}.embed_positions.weight"].float() if learned else \
             fairseq_sinusoids(pad + 1 + count, dim, pad)
         if table.size(0) < pad + 1 + count:
@@ -187,7 +256,7 @@ def import_checkpoint(path: str | os.PathLike, src_dict_path: str | os.PathLike,
         dicts.append(Dictionary.load(p))
     src_dict, tgt_dict = dicts
     joint = src_dict.checksum() == tgt_dict.checksum()
-    fields = model_config(options, path)
+    fields = model_config(options, path, state)
     if fields.get("share_all_embeddings") and not joint:
         raise UserError(f"{path}: the model shares all embeddings but {src_dict_path} and {tgt_dict_path} differ; "
                         f"give the dictionaries it was trained with")
@@ -197,7 +266,12 @@ def import_checkpoint(path: str | os.PathLike, src_dict_path: str | os.PathLike,
             raise UserError(f"{path}: the {side} embeddings have {state[key].size(0)} rows but the dictionary has "
                             f"{len(d)} symbols; give the dictionaries the model was trained with")
     cfg = make_config(registry.get("model", "transformer").config, fields, what=f"{path} (fairseq options)")
-    weights = convert_from_fairseq(options, state, to_dict(cfg), src_dict.pad())
+    try:
+        weights = convert_from_fairseq(options, state, to_dict(cfg), src_dict.pad())
+    except UserError as e:
+        raise UserError(f"{path}: {e}") from None
+    checkpoint.check_finite(weights, path, fix="the fairseq run that wrote them diverged: import an earlier "
+                            "checkpoint")
     model = build_model("transformer", cfg, len(src_dict), len(tgt_dict), src_dict.pad(), joint_vocab=joint)
     try:
         model.load_state_dict(weights, strict=True)
@@ -272,11 +346,12 @@ def fairseq_flags(cfg: dict) -> list[str]:
     return flags
 
 
-def export_checkpoint(ckpt: dict, output_dir: str | os.PathLike) -> Path:
+def export_checkpoint(ckpt: dict, output_dir: str | os.PathLike, force: bool = False) -> Path:
     """Write ``checkpoint.pt`` and ``dict.SRC.txt``/``dict.TGT.txt`` (and ``dict.txt`` when joint) for
-    fairseq-generate/-interactive. Needs fairseq 0.12 importable (its option namespace goes into the file)."""
+    fairseq-generate/-interactive, as one directory made whole or not at all (``fileio.write_directory``).
+    Needs fairseq 0.12 importable (its option namespace goes into the file)."""
     from attnmt.data.dictionary import Dictionary
-    from attnmt.fileio import atomic_torch_save
+    from attnmt.fileio import write_directory
 
     try:
         from fairseq import options as fairseq_options
@@ -287,23 +362,32 @@ def export_checkpoint(ckpt: dict, output_dir: str | os.PathLike) -> Path:
         raise UserError(f"only the transformer model can be exported, not {ckpt.get('model_name')!r}")
     data = ckpt["data"]
     out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     src_dict, tgt_dict = Dictionary.from_state(data["src_dict"]), Dictionary.from_state(data["tgt_dict"])
     files = [(src_dict, f"dict.{data['source_lang']}.txt"), (tgt_dict, f"dict.{data['target_lang']}.txt")]
     if data.get("joint_dictionary"):
         files.append((src_dict, "dict.txt"))
-    for d, name in files:
-        d.save(out / name)
     flags = [str(out), "--task", "translation", "-s", data["source_lang"], "-t", data["target_lang"],
              *fairseq_flags(ckpt["model_config"])]
     args = fairseq_options.parse_args_and_arch(fairseq_options.get_training_parser(), flags)
     state = convert_to_fairseq(ckpt, pad=src_dict.pad())
     history = [{"criterion_name": "CrossEntropyCriterion", "optimizer_name": "Adam", "lr_scheduler_state": {},
                 "num_updates": int((ckpt.get("train") or {}).get("num_updates") or 0)}]
-    path = out / "checkpoint.pt"
-    atomic_torch_save({"args": args, "model": state, "optimizer_history": history, "extra_state": {"epoch": 1},
-                       "last_optimizer_state": None}, path)
-    return path
+
+    def write(tmp: Path) -> None:
+        for d, name in files:
+            d.save(tmp / name)
+        torch.save({"args": args, "model": state, "optimizer_history": history, "extra_state": {"epoch": 1},
+                    "last_optimizer_state": None}, tmp / "checkpoint.pt")
+
+    try:
+        write_directory(out, force, write, known=lambda name: name == "checkpoint.pt" or (
+            name.startswith("dict.") and name.endswith(".txt")))
+    except RuntimeError as e:  # torch's zip writer reports a failed write (a full disk) as "unexpected pos"
+        if "inline_container" not in str(e) and "unexpected pos" not in str(e):
+            raise
+        raise UserError(f"{out}: cannot write the checkpoint (the write failed: disk full or the file-size limit, "
+                        f"ulimit -f); the directory is as it was. Free some space or choose another") from None
+    return out / "checkpoint.pt"
 
 
 def check(path: str | os.PathLike, output_dir: str | os.PathLike, lines: list[str]) -> float:

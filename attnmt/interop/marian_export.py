@@ -26,6 +26,11 @@ def _residual_order(cfg: dict) -> torch.Tensor:
     return torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)])
 
 
+# what an export writes (and, from before output markers, what --force recognises as an earlier export's)
+FILES = {"config.json", "generation_config.json", "tokenizer_config.json", "vocab.json", "target_vocab.json",
+         "source.spm", "target.spm", "model.safetensors"}
+
+
 def export_marian(ckpt: dict, output_dir: str | os.PathLike, force: bool = False) -> str:
     """Write the attnmt Transformer checkpoint ``ckpt`` as a MarianMT model directory (config.json,
     generation_config.json, model.safetensors, vocab.json, source.spm/target.spm, tokenizer_config.json) that
@@ -133,7 +138,7 @@ def export_marian(ckpt: dict, output_dir: str | os.PathLike, force: bool = False
     return write_directory(output_dir, force, lambda tmp: (
         save_file(out, str(tmp / "model.safetensors"), metadata={"format": "pt"}),
         [(tmp / k).write_text(v, encoding="utf-8") for k, v in files.items()],
-        [(tmp / k).write_bytes(v) for k, v in blobs.items()]))
+        [(tmp / k).write_bytes(v) for k, v in blobs.items()]), known=FILES.__contains__)
 
 
 def check(path: str | os.PathLike, output_dir: str | os.PathLike, lines: list[str]) -> float:

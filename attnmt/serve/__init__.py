@@ -7,6 +7,8 @@ Ctrl-C, then finishes the requests in flight and the queued work before it retur
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import signal
 import socket
 import threading
@@ -60,6 +62,17 @@ def network_warnings(cfg) -> list[str]:
     return out
 
 
+class _QuietCancellation(logging.Filter):
+    """Drops uvicorn's report of its lifespan task cancelled: what a second signal does on purpose (it stops at
+    once, without the lifespan's end), not a fault."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError):
+            return False
+        message = str(record.msg)  # starlette hands the lifespan's traceback to uvicorn as a message
+        return not (message.startswith("Traceback") and message.rstrip().endswith("CancelledError"))
+
+
 def serve(translator, cfg, announce: Callable[[str], None] = print) -> dict:
     """Serve ``translator`` with ``cfg`` (``ServeConfig``) until SIGTERM/SIGINT; what the service counted.
 
@@ -105,6 +118,8 @@ def serve(translator, cfg, announce: Callable[[str], None] = print) -> dict:
             # the lifespan's end has stopped it already, unless the server never started or a second signal came
             batcher.stop(drop=server.force_exit)
 
+    quiet = _QuietCancellation()
+    logging.getLogger("uvicorn.error").addFilter(quiet)
     before = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     thread = threading.Thread(target=run_server, name="attnmt-http", daemon=True)
     try:
@@ -123,6 +138,7 @@ def serve(translator, cfg, announce: Callable[[str], None] = print) -> dict:
     finally:
         for s, h in before.items():
             signal.signal(s, h)
+        logging.getLogger("uvicorn.error").removeFilter(quiet)
     if "error" in state or not server.started:
         raise UserError(f"the service stopped: {state.get('error') or 'it could not start (see above)'}")
     return {"signal": state["signal"], **svc.metrics.snapshot(0, batcher.stats)}
