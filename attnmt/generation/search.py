@@ -2,7 +2,7 @@
 
 Strategies (``SearchStrategy``) are registered like every other component and chosen with ``--search``; the
 built-in ones live in ``beam.py`` (beam search and greedy decoding) and ``sampling.py``. All through its incremental-decoding interface (``encode``, ``decode_features`` +
-``output_layer`` or ``decode`` with a cache, ``new_cache``, ``reorder``, ``max_positions``: see
+``output_layer`` or ``decode`` with a cache, ``output_candidates``, ``new_cache``, ``reorder``, ``max_positions``: see
 :class:`attnmt.models.interface.SearchModel`) and return, per source sentence, a list of finished :class:`Hypothesis` sorted best
 first.
 
@@ -561,32 +561,41 @@ def score_extensions(model, feats: Tensor, step: int | Tensor, max_len: Tensor, 
     step; the row stands for all of them); ``max_len``, ``generated`` and ``scores`` have ``beam`` rows per
     sentence. ``step``: the tokens generated so far, or (R,) each row's when the sentences are at different steps
     (continuous batching; no n-gram blocking then: ``generated`` None): the score kernel then bars EOS per row
-    before ``--min-len``.
+    before ``--min-len``. A model with ``output_candidates`` (a shortlist) is scored over its candidates alone
+    where the score kernel serves the block (their tokens mapped back to the vocabulary's ids), and over the
+    whole vocabulary, the others at -inf, where per-row rules apply.
     """
     per = beam if per is None else per
     rows = max(1, kernels.score_rows // beam) * per
     bias = None
     parts = []
+    short = model.output_candidates()  # a shortlist: scored over its tokens where the rules are every row's
+    eos = sym.eos if short is None else int(torch.searchsorted(short.ids, sym.eos))
     for a in range(0, feats.size(0), rows):
         b = min(a + rows, feats.size(0))
         block = feats[a:b]
         if b - a < rows and kernels.row_bucket is not None:  # the last block: the backend's row counts only
             block = torch.cat([block, block.new_zeros(kernels.row_bucket(b - a) - (b - a), block.size(1))])
         lo, hi, every = a * beam // per, b * beam // per, beam // per  # the block's rows of the full arrays
-        logits = model.output_layer(block)[: b - a]
+        logits = (model.output_layer(block) if short is None else model.candidate_logits(block))[: b - a]
         st = step if isinstance(step, int) else step[lo:hi:every]
         forced_now = sym.forced is not None and bool((st == 0).any() if isinstance(st, Tensor) else st == 0)
         block_rules = None if rules is None else rules.rows(slice(lo, hi, every))
         forced_now = forced_now or (rules is not None and isinstance(st, int) and rules.per_row(st, cfg))
         if not forced_now and _normalize_in_kernel(logits, st, per, beam, max_len[lo:hi], cfg, kernels):
             if bias is None:  # with per-row steps, EOS is barred per row below
-                bias = token_bias(logits.size(1), step if isinstance(step, int) else cfg.min_len, cfg, sym,
-                                  logits.device, () if rules is None else rules.banned)
+                bias = token_bias(logits.size(1) if short is None else short.vocab,
+                                  step if isinstance(step, int) else cfg.min_len, cfg, sym, logits.device,
+                                  () if rules is None else rules.banned)
+                if short is not None:
+                    bias = bias[short.ids]
             maxima, lse = kernels.scores.logsumexp_blocks(logits, bias, TOPK_BLOCK)
-            no_eos = None if isinstance(st, int) else _bar_eos(logits, st, maxima, bias, cfg.min_len, sym.eos)
-            parts.append(best_extensions(logits, scores[lo:hi], beam,
-                                         normalizer=Normalizer(bias, maxima, lse, no_eos, sym.eos)))
+            no_eos = None if isinstance(st, int) else _bar_eos(logits, st, maxima, bias, cfg.min_len, eos)
+            ext = best_extensions(logits, scores[lo:hi], beam, normalizer=Normalizer(bias, maxima, lse, no_eos, eos))
+            parts.append(ext if short is None else (*ext[:3], short.ids[ext[3]]))
             continue
+        if short is not None:
+            logits = short.widen(logits)
         lprobs = step_log_probs(logits, st, max_len[lo:hi:every], None if generated is None else generated[lo:hi:every],
                                 cfg, sym, keep_bf16=kernels.low_precision_scores, rules=block_rules)
         if per != beam:

@@ -10,7 +10,9 @@ CTranslate2 (``use_vmap=True``). :func:`build` learns one from a binarized train
 
 During the search, :class:`ShortlistedModel` wraps the model: its logits are those of the candidates, every other
 token at -inf, so every rule of the search (prefixes, constraints, suppressed sequences, the length limit) works
-unchanged, and a shortlist holding the whole vocabulary translates exactly as no shortlist does.
+unchanged, and a shortlist holding the whole vocabulary translates exactly as no shortlist does. Where the rules
+are the same for every row (most steps), the search scores and selects over the candidates alone, in their own
+ids, and maps the chosen tokens back.
 """
 
 from __future__ import annotations
@@ -24,10 +26,8 @@ import numpy as np
 from torch import Tensor, nn
 
 from attnmt.errors import UserError
-from attnmt.models.interface import SearchModel
+from attnmt.models.interface import Candidates, SearchModel
 from attnmt.models.kernels import DecodingKernels
-
-NEG_INF = float("-inf")
 
 
 @dataclass
@@ -157,12 +157,19 @@ def build(pairs: Iterable[tuple[np.ndarray, np.ndarray]], src_size: int, tgt_siz
 class ShortlistedModel(SearchModel):
     """``model`` whose logits are computed for the ``ids`` (sorted target ids) only, by ``projection`` (a linear
     layer over their rows of the output projection), the other tokens' at -inf: what the search of one batch
-    runs with a shortlist. Everything else is the model's."""
+    runs with a shortlist. The search scores the candidates alone (``candidate_logits``) wherever its rules are
+    the same for every row; everything else is the model's."""
 
     def __init__(self, model: SearchModel, ids: Tensor, projection: nn.Module, vocab: int):
         super().__init__()
         self.model, self.projection, self.vocab = model, projection, vocab
         self.register_buffer("ids", ids, persistent=False)
+
+    def output_candidates(self) -> Candidates:
+        return Candidates(self.ids, self.vocab)
+
+    def candidate_logits(self, features: Tensor) -> Tensor:
+        return self.projection(features)
 
     def encode(self, src_tokens: Tensor, src_lengths: Tensor):
         return self.model.encode(src_tokens, src_lengths)
@@ -171,9 +178,7 @@ class ShortlistedModel(SearchModel):
         return self.model.decode_features(prev_output_tokens, enc, cache)
 
     def output_layer(self, features: Tensor) -> Tensor:
-        short = self.projection(features)
-        out = short.new_full((*short.shape[:-1], self.vocab), NEG_INF)
-        return out.index_copy_(-1, self.ids, short)
+        return Candidates(self.ids, self.vocab).widen(self.projection(features))
 
     def decode(self, prev_output_tokens: Tensor, enc, cache=None) -> Tensor:
         return self.output_layer(self.decode_features(prev_output_tokens, enc, cache))

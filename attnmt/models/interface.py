@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
@@ -63,6 +63,19 @@ class DecoderCache(ABC):
         Returns the sentences the encoder output must be reduced to, or None when it stays as it is."""
 
 
+class Candidates(NamedTuple):
+    """The target tokens a model's ``output_layer`` can give a finite logit, where it is only some of them (a
+    vocabulary shortlist): ``ids`` (C,) sorted target ids of a vocabulary of ``vocab``."""
+
+    ids: Tensor
+    vocab: int
+
+    def widen(self, logits: Tensor) -> Tensor:
+        """Logits (..., C) of the candidates as logits (..., V) of the vocabulary, every other token at -inf."""
+        out = logits.new_full((*logits.shape[:-1], self.vocab), float("-inf"))
+        return out.index_copy_(-1, self.ids, logits)
+
+
 class SearchModel(nn.Module, ABC):
     """What the search, inference and the plots call: a trained model, or an ensemble of them (``models/ensemble.py``).
 
@@ -85,6 +98,16 @@ class SearchModel(nn.Module, ABC):
     @abstractmethod
     def output_layer(self, features: Tensor) -> Tensor:
         """Logits (..., V) of decoder features (..., D)."""
+
+    def output_candidates(self) -> Candidates | None:
+        """The tokens ``output_layer`` can give a finite logit, where it is only some (a vocabulary shortlist);
+        None: every token."""
+        return None
+
+    def candidate_logits(self, features: Tensor) -> Tensor:
+        """Logits (..., C) of ``output_candidates()``' tokens alone, in their order; ``output_layer``'s
+        (..., V) where every token is a candidate. The search scores over them where its rules allow."""
+        return self.output_layer(features)
 
     @abstractmethod
     def new_cache(self, beam: int = 1, kernels: DecodingKernels = DecodingKernels()) -> Any:

@@ -395,6 +395,56 @@ def test_the_search_finds_the_same_translations_with_the_score_kernel(options):
         assert [x.score for x in h] == pytest.approx([x.score for x in p], abs=1e-5)
 
 
+@needs_kernel
+@pytest.mark.parametrize("options", [dict(), dict(unkpen=2.0, min_len=3), dict(max_len_a=0, max_len_b=3)])
+def test_a_shortlisted_search_scored_over_its_candidates_equals_the_search_over_the_whole_vocabulary(options):
+    """With a shortlist the score kernel runs over the candidates alone, in their own ids, and the chosen tokens are
+    mapped back: the same hypotheses and scores as scoring the whole vocabulary with every other token at -inf."""
+    from attnmt.generation.shortlist import ShortlistedModel, projection_maker
+    from attnmt.models.transformer import TransformerConfig, TransformerModel
+
+    cfg = TransformerConfig(encoder_layers=1, decoder_layers=1, encoder_embed_dim=32, decoder_embed_dim=32,
+                            encoder_ffn_embed_dim=64, decoder_ffn_embed_dim=64, encoder_attention_heads=4,
+                            decoder_attention_heads=4, dropout=0.0)
+    torch.manual_seed(8)
+    vocab = 1500
+    model = TransformerModel.build(cfg, vocab, vocab, 1, joint_vocab=True).eval()
+    with torch.no_grad():
+        model.decoder.output_projection.weight.mul_(8)
+    g = torch.Generator().manual_seed(8)
+    ids = torch.cat([torch.arange(4), 4 + torch.randperm(vocab - 4, generator=g)[:800]]).sort().values
+    short = ShortlistedModel(model, ids, projection_maker(model.output_projection_weight().detach(), lambda m: m)(ids),
+                             vocab)
+
+    class Wide(ShortlistedModel):  # the same logits, scored over the whole vocabulary
+        def output_candidates(self):
+            return None
+
+    wide = Wide(model, ids, short.projection, vocab)
+    tokens = torch.randint(4, vocab, (6, 7), generator=g)
+    tokens[:, -1] = 2
+    lengths = torch.full((6,), 7)
+    sym = Symbols(pad=1, eos=2, unk=3, bos=0)
+    search_cfg = SearchConfig(beam=4, nbest=2, lenpen=0.6, **({"max_len_b": 10} | options))
+    widths = []
+
+    class Widths(_CountingScores):
+        def logsumexp_blocks(self, logits, *args):
+            widths.append(logits.size(1))
+            return super().logsumexp_blocks(logits, *args)
+
+    kernels = DecodingKernels(scores=Widths(SCORES, []), blockwise_topk=True)
+    with torch.no_grad():
+        got = search(short, tokens, lengths, search_cfg, sym, kernels=kernels)
+        assert widths and set(widths) == {ids.numel()}
+        want = search(wide, tokens, lengths, search_cfg, sym, kernels=kernels)
+    assert set(widths) == {ids.numel(), vocab}
+    assert [[x.tokens for x in h] for h in got] == [[x.tokens for x in h] for h in want]
+    for h, w in zip(got, want):
+        assert [x.score for x in h] == pytest.approx([x.score for x in w], abs=1e-5)
+    assert {int(t) for h in got for x in h for t in x.tokens} <= set(ids.tolist())
+
+
 class _CountingScores(native.CompiledScores):
     def __init__(self, inner, calls):
         self.functions = inner.functions

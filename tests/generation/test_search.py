@@ -63,6 +63,10 @@ class TableModel:
         return features  # ... and the identity projection
 
     @staticmethod
+    def output_candidates():
+        return None  # every token may come next
+
+    @staticmethod
     def max_positions():
         return 1024, 1024
 
