@@ -321,3 +321,35 @@ def test_fairseq_generate_bleu_is_the_multi_bleu_formula_and_an_unknown_referenc
     assert fairseq_generate_bleu(["a b c d"], ["a b c d"]) == ("BLEU4 = 100.00, 100.0/100.0/100.0/100.0 (BP=1.000, "
                                                                "ratio=1.000, syslen=4, reflen=4)")
     assert fairseq_generate_bleu(["a <unk> c d"], ["a <unk> c d"]).startswith("BLEU4 = 0.00, 75.0/33.3/0.0/0.0")
+
+
+@pytest.mark.parametrize("key_dim", [4, 16])
+def test_a_model_with_keys_of_its_own_size_translates_as_it_scores_and_is_not_exported(key_dim, tmp_path):
+    """--attention-key-dim (Table 3 row B): the beam's scores are the teacher-forced model's (the decoder cache
+    holds padded heads), and no exporter writes a model its format cannot hold."""
+    from helpers import TINY_MODEL, make_data_bin
+
+    from attnmt.inference import load_for_inference
+
+    data = make_data_bin(tmp_path / "bin", n_train=100)
+    code, err = run(["train", str(data), *TINY_MODEL, "--attention-key-dim", str(key_dim), "--save-dir",
+                     str(tmp_path / "ck"), "--max-update", "8", "--lr", "5e-3", "--warmup-updates", "4",
+                     "--max-tokens", "512", "--threads", "1", "--progress", "none"])
+    assert code == 0, err
+    ck = tmp_path / "ck" / "checkpoint_last.pt"
+    model = load_for_inference(ck).model
+    assert model.encoder.layers[0].self_attn.qkv_proj.weight.shape == (2 * 2 * key_dim + 16, 16)
+    for s in _valid_sources(data, 4):
+        tokens, scores = _translate(ck, [s])[0]
+        tokens, scores = torch.as_tensor(tokens), torch.as_tensor(scores)
+        prev = torch.cat([tokens.new_tensor([2]), tokens[:-1]])[None]
+        with torch.no_grad():
+            lprobs = model(torch.tensor([s]), torch.tensor([len(s)]), prev).float().log_softmax(-1)[0]
+        assert torch.allclose(lprobs.gather(1, tokens[:, None]).squeeze(1), scores, atol=1e-4)
+    for target, what in (("ctranslate2", "CTranslate2 holds attention keys of d_model / heads only"),
+                         ("fairseq", "fairseq's Transformer holds attention keys of d_model / heads only"),
+                         ("huggingface", "its attention keys are --attention-key-dim")):
+        out = tmp_path / target
+        code, err = run(["export", "--path", str(ck), "--to", target, "--output-dir", str(out)])
+        assert code == 1 and what in err and f"--attention-key-dim {key_dim}" in err, err
+        assert not out.exists()

@@ -55,6 +55,9 @@ def _positions(cfg: dict, state: dict, side: str, dim: int, count: int) -> np.nd
 
 def build_spec(ckpt: dict):
     """The CTranslate2 ``TransformerSpec`` holding the checkpoint's weights and vocabularies."""
+    if ckpt.get("model_config", {}).get("attention_key_dim"):
+        raise UserError(f"CTranslate2 holds attention keys of d_model / heads only, and this model's are "
+                        f"--attention-key-dim {ckpt['model_config']['attention_key_dim']}; translate it with attnmt")
     _ctranslate2()
     from ctranslate2.specs import common_spec, transformer_spec
 

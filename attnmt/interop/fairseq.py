@@ -353,6 +353,9 @@ def export_checkpoint(ckpt: dict, output_dir: str | os.PathLike, force: bool = F
     from attnmt.data.dictionary import Dictionary
     from attnmt.fileio import write_directory
 
+    if ckpt.get("model_config", {}).get("attention_key_dim"):
+        raise UserError(f"fairseq's Transformer holds attention keys of d_model / heads only, and this model's are "
+                        f"--attention-key-dim {ckpt['model_config']['attention_key_dim']}; translate it with attnmt")
     try:
         from fairseq import options as fairseq_options
     except ImportError:

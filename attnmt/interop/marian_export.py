@@ -55,6 +55,9 @@ def export_marian(ckpt: dict, output_dir: str | os.PathLike, force: bool = False
     if cfg["encoder_embed_dim"] != cfg["decoder_embed_dim"] or cfg["encoder_attention_heads"] != \
             cfg["decoder_attention_heads"]:
         why.append("its encoder and decoder differ in width or heads")
+    if cfg.get("attention_key_dim"):
+        why.append(f"its attention keys are --attention-key-dim {cfg['attention_key_dim']} (MarianMT's are "
+                   f"d_model / heads)")
     if data.bpe != "sentencepiece" or data.bpe_model_bytes() is None:
         why.append("its text is not segmented by a SentencePiece model it carries")
     if data.tokenizer != "none" or data.lowercase:

@@ -199,7 +199,7 @@ class StaticCache(DecoderCache):
         self.own = torch.arange(self.beam, dtype=torch.int32, device=dev).repeat(B)[:, None]
         self.memory_mask = mask_of(memory_padding)
         for layer, lc in zip(decoder.layers, self.layers):
-            lc.cross_k, lc.cross_v = layer.cross_attn.project_kv(memory)
+            lc.cross_k, lc.cross_v = layer.cross_attn.project_kv_for_cache(memory)
         self.graphs = self.graphs and dev.type == "cuda"
 
     def _compact(self) -> None:

@@ -18,7 +18,7 @@ Read top to bottom, the file follows the paper:
 Label smoothing (5.4) belongs to the training criterion, not to the model.
 
 Conventions. Tensors are batch-first: B sentences, S source tokens, T target tokens, D model width, H heads,
-Dh = D / H, V vocabulary. Batches are right-padded with ``pad_idx``; a token's position is its index among the
+Dh = D / H (d_k = d_v; ``attention_key_dim`` sets a d_k of its own), V vocabulary. Batches are right-padded with ``pad_idx``; a token's position is its index among the
 real tokens of its sentence, so a sentence's outputs do not depend on how much padding its batch needed.
 In teacher forcing the decoder may hold its states as the (N, D) rows of the N real target positions instead of
 (B, T, D): the position-wise layers take either, and attention takes the packed rows' ``PackedRows``
@@ -67,6 +67,9 @@ class TransformerConfig:
     decoder_ffn_embed_dim: int = field(default=2048, metadata={"min": 1, "max": 262144, "help": "decoder feed-forward inner width d_ff"})
     encoder_attention_heads: int = field(default=8, metadata={"min": 1, "max": 4096, "help": "encoder attention heads h"})
     decoder_attention_heads: int = field(default=8, metadata={"min": 1, "max": 4096, "help": "decoder attention heads h"})
+    attention_key_dim: int = field(default=0, metadata={"min": 0, "max": 65536, "help": (
+        "size d_k of each head's queries and keys in every attention (0: d_model / h, the paper's; d_v stays "
+        "d_model / h, as in Table 3 row B)")})
     dropout: float = field(default=0.1, metadata={
         "help": "residual dropout P_drop: on embeddings + positions and on every sub-layer output"})
     attention_dropout: float = field(default=0.0, metadata={"help": "dropout on attention weights"})
@@ -112,6 +115,8 @@ class TransformerConfig:
             if not self.learned_pos and dim % 2:
                 raise ValueError(f"{opt}-embed-dim {dim} is odd; sinusoidal positions need an even width "
                                  f"(use {dim + 1} or --learned-pos)")
+        if self.attention_key_dim < 0:
+            raise ValueError(f"--attention-key-dim must be 0 (d_model / h) or positive, got {self.attention_key_dim}")
         if self.sinusoid_style not in SINUSOID_STYLES:
             raise ValueError(f"--sinusoid-style must be one of {', '.join(SINUSOID_STYLES)}, got "
                              f"{self.sinusoid_style!r}")
@@ -289,57 +294,93 @@ class MultiHeadAttention(AttentionKernel, DropoutKernel, nn.Module):
 
     ``softmax(Q K^T / sqrt(d_k)) V`` is ``F.scaled_dot_product_attention``, which picks a fused kernel and applies
     attention dropout (``dropout_p``) to the weights in training. Self-attention projects Q, K and V with one
-    fused (D -> 3D) matmul; encoder-decoder attention projects the query from the decoder and K, V (one fused
-    matmul) from the encoder output, which the decoder computes once per sentence when decoding step by step.
+    fused (D -> 3D) matmul (D -> 2 H d_k + D with a ``key_dim`` d_k of its own); encoder-decoder attention
+    projects the query from the decoder and K, V (one fused matmul) from the encoder output, which the decoder
+    computes once per sentence when decoding step by step.
     Sequences up to ``plain_attention_max_len`` (set by the backend: ``AttentionKernel``) run the same formula as
     :func:`plain_attention` instead, faster than SDPA's kernels for short sentences on the CPU; without dropout, a
     backend's kernel (``fused_attention``) may compute it from the projections' outputs as they lie.
     """
 
-    def __init__(self, embed_dim: int, num_heads: int, dropout: float, kv_dim: int | None = None):
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float, kv_dim: int | None = None,
+                 key_dim: int = 0):
         super().__init__()
         self.num_heads = num_heads
-        self.head_dim = embed_dim // num_heads
+        self.head_dim = embed_dim // num_heads  # d_v
+        self.key_dim = key_dim or self.head_dim  # d_k
         self.dropout = dropout
+        qk, v = num_heads * self.key_dim, embed_dim  # widths of all heads' queries (and keys), and values
         if kv_dim is None:  # self-attention
-            self.qkv_proj = Linear(embed_dim, 3 * embed_dim)
-            fused = [self.qkv_proj]
+            self.qkv_proj = Linear(embed_dim, 2 * qk + v)
+            fused = [(self.qkv_proj, [qk, qk, v])]
         else:  # encoder-decoder attention
-            self.q_proj = Linear(embed_dim, embed_dim)
-            self.kv_proj = Linear(kv_dim, 2 * embed_dim)
-            fused = [self.q_proj, self.kv_proj]
-        # Initialize each of W^Q, W^K, W^V as its own (D, D) matrix, as if unfused: Xavier-uniform scaled by
-        # 1/sqrt(2) (fairseq's choice, which it found to converge better), zero bias.
-        for proj in fused:
-            for block in proj.weight.split(embed_dim, dim=0):
+            self.q_proj = Linear(embed_dim, qk)
+            self.kv_proj = Linear(kv_dim, qk + v)
+            fused = [(self.q_proj, [qk]), (self.kv_proj, [qk, v])]
+        self.widths = [qk, qk, v]
+        # Initialize each of W^Q, W^K, W^V as its own matrix, as if unfused: Xavier-uniform scaled by 1/sqrt(2)
+        # (fairseq's choice, which it found to converge better), zero bias.
+        for proj, widths in fused:
+            for block in proj.weight.split(widths, dim=0):
                 nn.init.xavier_uniform_(block, gain=1 / math.sqrt(2))
             nn.init.zeros_(proj.bias)
         self.out_proj = linear(embed_dim, embed_dim)  # W^O
 
-    def _split_heads(self, x: Tensor) -> Tensor:  # (B, T, D) -> (B, H, T, Dh)
+    def _split_heads(self, x: Tensor) -> Tensor:  # (B, T, H * Dh) -> (B, H, T, Dh)
         B, T, _ = x.shape
-        return x.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        return x.view(B, T, self.num_heads, -1).transpose(1, 2)
 
     def _qkv_heads(self, qkv: Tensor, rows: PackedRows | None) -> tuple[Tensor, Tensor, Tensor]:
         if rows is not None:
-            return rows.split_heads(qkv, 3, self.num_heads)
-        q, k, v = qkv.chunk(3, dim=-1)  # 3 x (B, T, D)
+            if self.key_dim == self.head_dim:
+                return rows.split_heads(qkv, 3, self.num_heads)
+            return tuple(rows.split_heads(part, 1, self.num_heads)[0] for part in qkv.split(self.widths, dim=-1))
+        q, k, v = qkv.split(self.widths, dim=-1)  # (B, T, H * d_k) twice, (B, T, H * d_v)
         return self._split_heads(q), self._split_heads(k), self._split_heads(v)
 
     def _kv_heads(self, kv: Tensor) -> tuple[Tensor, Tensor]:
-        k, v = kv.chunk(2, dim=-1)
+        k, v = kv.split(self.widths[1:], dim=-1)
         return self._split_heads(k).contiguous(), self._split_heads(v).contiguous()
 
     def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Self-attention: Q, K, V from the same (B, T, D) input, each (B, H, T, Dh)."""
+        """Self-attention: Q, K, V from the same (B, T, D) input, each (B, H, T, d_k or d_v)."""
         return self._qkv_heads(self.qkv_proj(x), None)
 
     def project_q(self, x: Tensor) -> Tensor:
-        return self._split_heads(self.q_proj(x))  # (B, H, T, Dh)
+        return self._split_heads(self.q_proj(x))  # (B, H, T, d_k)
 
     def project_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
-        """Encoder-decoder attention: K, V from the encoder output (B, S, D_enc), each (B, H, S, Dh)."""
+        """Encoder-decoder attention: K, V from the encoder output (B, S, D_enc), (B, H, S, d_k) and (.., d_v)."""
         return self._kv_heads(self.kv_proj(memory))
+
+    # A decoder cache holds queries, keys and values of one head size. Where d_k differs from d_v, the heads go to
+    # it zero-padded to the larger of the two, the queries scaled by sqrt(that / d_k): the padding adds nothing to
+    # Q K^T or to the values, and the cache's 1/sqrt(head size) becomes the model's 1/sqrt(d_k).
+
+    def for_cache(self, q: Tensor | None = None, k: Tensor | None = None,
+                  v: Tensor | None = None) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """Heads (.., T, d_k or d_v) as a decoder cache holds them (None stays None)."""
+        if self.key_dim == self.head_dim:
+            return q, k, v
+        size = max(self.key_dim, self.head_dim)
+
+        def pad(x: Tensor | None) -> Tensor | None:
+            return x if x is None or x.size(-1) == size else F.pad(x, (0, size - x.size(-1)))
+
+        if q is not None and self.key_dim < size:
+            q = pad(q) * math.sqrt(size / self.key_dim)
+        return q, pad(k), pad(v)
+
+    def project_kv_for_cache(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        _, k, v = self.for_cache(None, *self.project_kv(memory))
+        return k, v
+
+    def combine_cached(self, out: Tensor) -> Tensor:
+        """W^O of a cache's attention output (R, T, H * cache head size)."""
+        if self.head_dim < self.key_dim:
+            R, T, _ = out.shape
+            out = out.view(R, T, self.num_heads, self.key_dim)[..., : self.head_dim].reshape(R, T, -1)
+        return self.out_proj(out)
 
     def combine_heads(self, out: Tensor, rows: PackedRows | None = None) -> Tensor:
         """Concat(head_1..head_h) W^O: (B, H, T, Dh) -> (B, T, D), or (N, D) for packed ``rows``."""
@@ -391,7 +432,7 @@ class MultiHeadAttention(AttentionKernel, DropoutKernel, nn.Module):
     def _kernel(self, queries: int, keys: int) -> TrainingAttention | None:
         """The backend's attention kernel where the plain form would run without dropout, else None."""
         dropout_p = self.dropout if self.training else 0.0
-        if dropout_p == 0.0 and self.use_plain_attention(queries, keys):
+        if dropout_p == 0.0 and self.key_dim == self.head_dim and self.use_plain_attention(queries, keys):
             return self.fused_attention
         return None
 
@@ -495,7 +536,8 @@ class EncoderLayer(nn.Module):
         super().__init__()
         d = cfg.encoder_embed_dim
         self.normalize_before = cfg.encoder_normalize_before
-        self.self_attn = MultiHeadAttention(d, cfg.encoder_attention_heads, cfg.attention_dropout)
+        self.self_attn = MultiHeadAttention(d, cfg.encoder_attention_heads, cfg.attention_dropout,
+                                            key_dim=cfg.attention_key_dim)
         self.self_attn_norm = nn.LayerNorm(d)
         self.ffn = FeedForward(d, cfg.encoder_ffn_embed_dim, cfg.activation_dropout, cfg.activation_fn)
         self.ffn_norm = nn.LayerNorm(d)
@@ -514,10 +556,11 @@ class DecoderLayer(nn.Module):
         super().__init__()
         d = cfg.decoder_embed_dim
         self.normalize_before = cfg.decoder_normalize_before
-        self.self_attn = MultiHeadAttention(d, cfg.decoder_attention_heads, cfg.attention_dropout)
+        self.self_attn = MultiHeadAttention(d, cfg.decoder_attention_heads, cfg.attention_dropout,
+                                            key_dim=cfg.attention_key_dim)
         self.self_attn_norm = nn.LayerNorm(d)
         self.cross_attn = MultiHeadAttention(d, cfg.decoder_attention_heads, cfg.attention_dropout,
-                                             kv_dim=cfg.encoder_embed_dim)
+                                             kv_dim=cfg.encoder_embed_dim, key_dim=cfg.attention_key_dim)
         self.cross_attn_norm = nn.LayerNorm(d)
         self.ffn = FeedForward(d, cfg.decoder_ffn_embed_dim, cfg.activation_dropout, cfg.activation_fn)
         self.ffn_norm = nn.LayerNorm(d)
@@ -528,16 +571,17 @@ class DecoderLayer(nn.Module):
         if cache is None:  # teacher forcing: the whole target at once under a causal mask
             return self.self_attn.self_attention(h, is_causal=True, rows=rows)
         # the cache stores k, v after the ``start`` positions so far and attends under its causal/beam mask
-        q, k, v = self.self_attn.project_qkv(h)  # (B, H, T, Dh) each
-        return self.self_attn.out_proj(cache.self_attention(q, k, v))
+        q, k, v = self.self_attn.for_cache(*self.self_attn.project_qkv(h))  # (B, H, T, Dh) each
+        return self.self_attn.combine_cached(cache.self_attention(q, k, v))
 
     def _cross_attention(self, h: Tensor, memory: Tensor, memory_mask: Tensor | None,
                          cache: LayerCache | None, rows: PackedRows | None) -> Tensor:
         """3.2.3: queries from the decoder, keys and values from the encoder output (padding masked)."""
         if cache is None:
             return self.cross_attn.cross_attention(h, memory, memory_mask, rows)
-        q = self.cross_attn.project_q(h)  # (B, H, T, Dh); keys/values projected once per sentence, on the first step
-        return self.cross_attn.out_proj(cache.cross_attention(q, self.cross_attn.project_kv, memory))
+        attn = self.cross_attn
+        q = attn.for_cache(attn.project_q(h))[0]  # (B, H, T, Dh); keys/values projected once per sentence
+        return attn.combine_cached(cache.cross_attention(q, attn.project_kv_for_cache, memory))
 
     def forward(self, x: Tensor, memory: Tensor, memory_mask: Tensor | None, cache: LayerCache | None = None,
                 start: int = 0, rows: PackedRows | None = None) -> Tensor:

@@ -76,9 +76,10 @@ def max_diff_real(a: torch.Tensor, b: torch.Tensor, prev: torch.Tensor) -> float
 # ------------------------------------------------------------------------------------------ parameter counts
 
 
-def expected_parameters(d: int, ffn: int, layers: int, vocab: int) -> int:
-    """Closed form for a shared-vocabulary model with all embeddings tied."""
-    attention = 4 * d * d + 4 * d  # W^Q, W^K, W^V, W^O and biases
+def expected_parameters(d: int, ffn: int, layers: int, vocab: int, keys: int | None = None) -> int:
+    """Closed form for a shared-vocabulary model with all embeddings tied; ``keys``: h * d_k where it is not d."""
+    keys = d if keys is None else keys
+    attention = 2 * d * keys + 2 * keys + 2 * d * d + 2 * d  # W^Q, W^K (d x h d_k), W^V, W^O and biases
     feed_forward = 2 * d * ffn + ffn + d
     norm = 2 * d
     encoder_layer = attention + feed_forward + 2 * norm
@@ -101,6 +102,17 @@ def test_parameter_count_matches_paper(arch, d, ffn, paper_millions, tolerance):
     assert abs(n - paper_millions) / paper_millions < tolerance
 
 
+@pytest.mark.parametrize("key_dim, paper_millions", [(16, 58e6), (32, 60e6)])
+def test_table3_row_b_smaller_keys_count_as_the_paper_counts(key_dim, paper_millions):
+    """Row B: d_k 16 and 32 with d_v 64; the paper's 58M and 60M, off by as much as its base (3.5%)."""
+    cfg = registry.arch_config("transformer", {"share_all_embeddings": True, "attention_key_dim": key_dim})
+    with torch.device("meta"):
+        model = TransformerModel.build(cfg, 37000, 37000, PAD, joint_vocab=True)
+    n = model.num_parameters()
+    assert n == expected_parameters(512, 2048, 6, 37000, keys=8 * key_dim)
+    assert abs(n - paper_millions) / paper_millions < 0.035
+
+
 def test_unshared_embeddings_are_counted_separately():
     shared = tiny_model(share_all_embeddings=True).num_parameters()
     separate = tiny_model().num_parameters()
@@ -112,9 +124,11 @@ def test_unshared_embeddings_are_counted_separately():
 # ---------------------------------------------------------------------------------- incremental decoding
 
 
-@pytest.mark.parametrize("normalize_before", [False, True])
-def test_incremental_decoding_matches_full_forward(normalize_before):
-    model = tiny_model(encoder_normalize_before=normalize_before, decoder_normalize_before=normalize_before)
+@pytest.mark.parametrize("normalize_before, key_dim", [(False, 0), (True, 0), (False, 4), (False, 16)])
+def test_incremental_decoding_matches_full_forward(normalize_before, key_dim):
+    """Also with d_k below and above d_v (8): the cache's heads are padded to one size."""
+    model = tiny_model(encoder_normalize_before=normalize_before, decoder_normalize_before=normalize_before,
+                       attention_key_dim=key_dim)
     src, src_lengths, prev = batch()
     with torch.no_grad():
         full = model(src, src_lengths, prev).log_softmax(-1)  # (B, T, V)
