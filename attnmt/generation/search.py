@@ -570,7 +570,7 @@ def score_extensions(model, feats: Tensor, step: int | Tensor, max_len: Tensor, 
     bias = None
     parts = []
     short = model.output_candidates()  # a shortlist: scored over its tokens where the rules are every row's
-    eos = sym.eos if short is None else int(torch.searchsorted(short.ids, sym.eos))
+    eos = sym.eos  # EOS's column of the logits (among the candidates: looked up with the bias, once)
     for a in range(0, feats.size(0), rows):
         b = min(a + rows, feats.size(0))
         block = feats[a:b]
@@ -589,6 +589,7 @@ def score_extensions(model, feats: Tensor, step: int | Tensor, max_len: Tensor, 
                                   () if rules is None else rules.banned)
                 if short is not None:
                     bias = bias[short.ids]
+                    eos = int(torch.searchsorted(short.ids, sym.eos))
             maxima, lse = kernels.scores.logsumexp_blocks(logits, bias, TOPK_BLOCK)
             no_eos = None if isinstance(st, int) else _bar_eos(logits, st, maxima, bias, cfg.min_len, eos)
             ext = best_extensions(logits, scores[lo:hi], beam, normalizer=Normalizer(bias, maxima, lse, no_eos, eos))
