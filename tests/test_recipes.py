@@ -247,6 +247,38 @@ def test_wmt14_recipe_smoke(tmp_path):
     assert "compound" in (out / "newstest2014.tok-compound-bleu").read_text().lower()
 
 
+def test_paper_table3_recipe_smoke(tmp_path):
+    """Every row of Table 3 trained a few updates, scored on dev and tabulated beside the paper's figures."""
+    r = run_recipe("paper_table3", tmp_path, "multi30k", SMOKE="1", ROWS="A,B,C,D,E,big")
+    out = tmp_path / "work" / "table3"
+    result = json.loads((out / "table3.json").read_text())
+    rows = {e["row"]: e for e in result["rows"]}
+    assert list(rows) == ["base", "A1", "A2", "A3", "A4", "B1", "B2", "C1", "C2", "C3", "C4", "C5", "C6", "C7",
+                          "D1", "D2", "D3", "D4", "E", "big"]
+    assert result["updates"] == 3 and all(e["seeds"] == 1 and "errors" not in e for e in rows.values())
+    assert all(e["dev_ppl"] > 1 and 0 <= e["dev_bleu"] <= 100 for e in rows.values())
+    # parameters: smaller keys (B) and fewer layers (C1) count less, a wider model (C5) and big more
+    assert rows["B1"]["params_M"] < rows["B2"]["params_M"] < rows["base"]["params_M"] == rows["A1"]["params_M"]
+    assert rows["C1"]["params_M"] < rows["base"]["params_M"] < rows["C5"]["params_M"] < rows["big"]["params_M"]
+    table = (out / "table3.md").read_text().splitlines()
+    assert len(table) == 22 and table[1 + 6].startswith("| (B) B1 |") and "| 5.16 | 25.1 | 58 |" in table[1 + 6]
+    assert "Traceback" not in r.stderr
+    assert_png(out / "table3_bleu.png")
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"ROWS": "A,F"}, "unknown row 'F'"),
+    ({"UPDATES": "10", "BUDGET_HOURS": "1"}, "give UPDATES or BUDGET_HOURS, not both"),
+    ({"DEVICE": "tpu"}, "DEVICE=tpu: use cpu or cuda"),
+    ({"DATA_BIN": "/nonexistent"}, "DATA_BIN=/nonexistent: not a directory"),
+])
+def test_paper_table3_recipe_refuses_bad_knobs_in_one_line(tmp_path, env, message):
+    r = subprocess.run(["bash", str(ROOT / "recipes" / "paper_table3" / "run.sh")], cwd=ROOT,
+                       env={**os.environ, "WORK": str(tmp_path / "work"), "DATA_DIR": str(SHARED / "multi30k"),
+                            **env}, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
 def test_corrupted_data_file_is_reported_with_both_checksums(tmp_path):
     if not (SHARED / "multi30k").is_dir():
         pytest.skip("no Multi30k data")

@@ -1,5 +1,7 @@
-"""The Transformer's named architectures (``--arch``): the paper's Table 3 rows and fairseq 0.12's names for the
-same models, each a dict of :class:`~attnmt.models.transformer.TransformerConfig` fields."""
+"""The Transformer's named architectures (``--arch``): the paper's base and big (Table 3), smaller models for CPU
+training, and fairseq 0.12's names for the same models, each a dict of
+:class:`~attnmt.models.transformer.TransformerConfig` fields. The other rows of Table 3 are options on top of these
+(recipes/paper_table3 trains them all)."""
 
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ Read top to bottom, the file follows the paper:
 * 3.1   encoder and decoder stacks  -> ``EncoderLayer``, ``DecoderLayer``, ``TransformerEncoder``, ``TransformerDecoder``
 * 3.2.3 uses of attention: padding masks for encoder self-attention and encoder-decoder attention, a causal
   mask for decoder self-attention -> ``key_padding_mask`` and ``is_causal`` in the decoder
-* the model and its config -> ``TransformerModel``, ``TransformerConfig`` (its named architectures, the Table 3
-  rows and fairseq's names, in ``models/architectures.py``)
+* the model and its config -> ``TransformerModel``, ``TransformerConfig`` (the options Table 3 varies, including
+  d_k apart from d_v; its named architectures and fairseq's names in ``models/architectures.py``)
 * analysis: the encoder-decoder attention weights written out (SDPA does not return them), for attention heat
   maps, live in ``models/attention_maps.py``
 

@@ -59,6 +59,7 @@ fail() { echo "paper_table3: error: $*" >&2; exit 2; }
 [[ "$SEEDS" =~ ^[0-9]+(,[0-9]+)*$ ]] || fail "SEEDS=$SEEDS: give seeds separated by commas, such as 1,2"
 [[ "$SMOKE" =~ ^[01]$ ]] || fail "SMOKE=$SMOKE: use 1 (a few updates per row) or 0"
 [[ "$BASE" =~ ^(multi30k|paper)$ ]] || fail "BASE=$BASE: use multi30k or paper"
+python "$HERE/table3.py" --check-rows "$ROWS" || exit 2
 if [ -n "$BUDGET_HOURS" ]; then
   [ -z "$UPDATES" ] || fail "give UPDATES or BUDGET_HOURS, not both"
   [[ "$BUDGET_HOURS" =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)$ ]] && python -c "import sys; sys.exit(float('$BUDGET_HOURS') <= 0)" \

@@ -17,8 +17,9 @@ trains in minutes. The rows keep the paper's ratios to the base: row C's N 2/4/8
 thirds of the base's N; d_model and d_ff are halved and doubled; row A keeps h d_k = d_model, row B divides d_k by
 4 and 2. Dropout and label smoothing (row D) take the paper's values. The learning rate follows the paper's schedule
 in proportion, d_model^-0.5: the rows that change d_model change the peak by sqrt(base d_model / theirs).
-``--budget-hours`` picks the updates from a 40-update probe of the base on this machine, each row's time estimated
-from its multiply-adds per token relative to the base's.
+``--budget-hours`` picks the updates from a 50-update probe of the base on this machine (three quarters of the budget
+for training, the rest for scoring dev and starting processes), each row's time estimated from its multiply-adds
+per token relative to the base's.
 """
 
 from __future__ import annotations
@@ -308,6 +309,9 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="every row for --updates updates, dev cut to a few lines")
     p.add_argument("--smoke-sentences", type=int, default=8)
     p.add_argument("--attnmt", default="attnmt", help="how to run attnmt (e.g. 'python -m attnmt.cli')")
+    if sys.argv[1:2] == ["--check-rows"]:  # the recipe's check of ROWS, before it fetches any data
+        select(rows_of(BASES["paper"]), sys.argv[2])
+        return None
     args = p.parse_args()
     args.attnmt = shlex.split(args.attnmt)
     base = BASES[args.base]
@@ -333,8 +337,8 @@ def main() -> None:
     if not updates:
         seconds = probe_seconds_per_update(args, base, threads)
         cost = sum(rows[n][1].macs_per_token(vocab) for n in names) / base.macs_per_token(vocab) * len(seeds)
-        # 85% of the budget trains; the rest scores dev (beam 4 over it, once per trial) and starts processes
-        updates = max(10, int(0.85 * args.budget_hours * 3600 * args.parallel / (cost * seconds)))
+        # 75% of the budget trains; the rest scores dev (beam 4 over it, once per trial) and starts processes
+        updates = max(10, int(0.75 * args.budget_hours * 3600 * args.parallel / (cost * seconds)))
         print(f"table3: the base takes {seconds:.3f} s an update here; {len(names)} rows x {len(seeds)} seed(s) "
               f"cost {cost:.1f} base trainings -> {updates} updates each in {args.budget_hours:g} h", flush=True)
     jobs = [(n, s) for n in names for s in seeds]
