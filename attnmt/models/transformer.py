@@ -18,8 +18,9 @@ Read top to bottom, the file follows the paper:
 Label smoothing (5.4) belongs to the training criterion, not to the model.
 
 Conventions. Tensors are batch-first: B sentences, S source tokens, T target tokens, D model width, H heads,
-Dh = D / H (d_k = d_v; ``attention_key_dim`` sets a d_k of its own), V vocabulary. Batches are right-padded with ``pad_idx``; a token's position is its index among the
-real tokens of its sentence, so a sentence's outputs do not depend on how much padding its batch needed.
+Dh = D / H (d_k = d_v; ``attention_key_dim`` sets a d_k of its own), V vocabulary. Batches are right-padded with
+``pad_idx``; a token's position is its index among the real tokens of its sentence, so a sentence's outputs do
+not depend on how much padding its batch needed.
 In teacher forcing the decoder may hold its states as the (N, D) rows of the N real target positions instead of
 (B, T, D): the position-wise layers take either, and attention takes the packed rows' ``PackedRows``
 (``models/packing.py``) to lay its heads out on the (B, T) grid.
