@@ -47,10 +47,17 @@ class BeamSearch(SearchStrategy):
     still win, so the search goes on until the early-stopping bound rules it out.
     """
 
+    def __init__(self, cfg: SearchConfig):
+        super().__init__(cfg)
+        self.beam_stop = _options(cfg).early_stop == "beam"
+        self.top_eos = torch.zeros(0, dtype=torch.long)  # per unit: EOS hypotheses among the beam best (beam_stop)
+
     def start(self, model, src_tokens, src_lengths, kernels, sample_ids):
-        self.beam_stop = _options(self.cfg).early_stop == "beam"
         self.top_eos = torch.zeros(src_tokens.size(0), dtype=torch.long, device=src_tokens.device)
         return super().start(model, src_tokens, src_lengths, kernels, sample_ids)
+
+    def add_units(self, n: int, device: torch.device) -> None:
+        self.top_eos = torch.cat([self.top_eos.to(device), torch.zeros(n, dtype=torch.long, device=device)])
 
     def candidates(self, model, tokens, step, enc, cache, max_len, scores, sym, kernels):
         return next_token_extensions(model, tokens, step, enc, cache, max_len, scores, self.cfg.beam, self.cfg, sym,

@@ -530,20 +530,38 @@ def _normalize_in_kernel(logits: Tensor, step: int | Tensor, per: int, beam: int
             and kernels.scores.supports(logits) and not bool((max_len <= step).any()))
 
 
-def next_token_extensions(model, tokens: Tensor, step: int, enc, cache, max_len: Tensor, scores: Tensor,
+def next_token_extensions(model, tokens: Tensor, step: int | Tensor, enc, cache, max_len: Tensor, scores: Tensor,
                           beam: int, cfg: SearchConfig, sym: Symbols, kernels: DecodingKernels = DecodingKernels(),
                           rules: Rules | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Decode one step and return ``best_extensions`` of every sentence under the search's rules.
 
-    ``tokens`` (R, T): column ``step`` holds each row's newest token; ``max_len`` (R,): per-row limits; ``scores``
-    (R,): cumulative log-probabilities; ``beam`` consecutive rows per sentence. The decoder features are
-    projected to the vocabulary (``output_layer``) about ``kernels.score_rows`` rows (whole sentences) at a time:
-    on a CPU, 400 sentences x beam 4 would otherwise build 60 MB of logits and as much of log-probabilities per
-    step, memory that is mapped afresh and zeroed by the kernel at every step, while small blocks are reused and
-    stay in cache; a GPU takes the whole batch at once. Each sentence's numbers are the same either way.
-    ``kernels``: the backend's row padding, score blocks, candidate selection and score precision
-    (``Backend.decoding_kernels``); ``rules``: the batch's per-row :class:`Rules`.
+    ``tokens`` (R, T): column ``step`` holds each row's newest token; ``step``: the tokens every row has generated,
+    or (R,) each row's (a running search that sentences join: those at step 0 come last); ``max_len`` (R,): per-row
+    limits; ``scores`` (R,): cumulative log-probabilities; ``beam`` consecutive rows per sentence. The decoder
+    features are projected to the vocabulary (``output_layer``) about ``kernels.score_rows`` rows (whole
+    sentences) at a time: on a CPU, 400 sentences x beam 4 would otherwise build 60 MB of logits and as much of
+    log-probabilities per step, memory that is mapped afresh and zeroed by the kernel at every step, while small
+    blocks are reused and stay in cache; a GPU takes the whole batch at once. Each sentence's numbers are the same
+    either way. ``kernels``: the backend's row padding, score blocks, candidate selection and score precision
+    (``Backend.decoding_kernels``); ``rules``: the batch's per-row :class:`Rules` (a common step only).
+
+    A sentence's first step is scored from one row (its hypotheses start alike: the row stands for all of them),
+    so that its numbers are the same whether it starts with its batch or joins a running search.
     """
+    if isinstance(step, Tensor):
+        if rules is not None:
+            raise ValueError("prefixes, constraints and suppressed text need the sentences at one step")
+        feats = model.decode_features(tokens.gather(1, step[:, None]), enc, cache)[:, -1]  # (R, D)
+        fresh = int((step[::beam] == 0).sum())
+        old = feats.size(0) - fresh * beam
+        parts = []
+        if old:
+            parts.append(score_extensions(model, feats[:old], step[:old], max_len[:old], None, scores[:old], beam,
+                                          cfg, sym, kernels))
+        if fresh:
+            parts.append(score_extensions(model, feats[old::beam], 0, max_len[old:], None, scores[old:], beam, cfg,
+                                          sym, kernels, per=1))
+        return parts[0] if len(parts) == 1 else tuple(torch.cat(p) for p in zip(*parts))
     per = 1 if step == 0 else beam  # the first step decodes one row per sentence: its hypotheses start alike
     prev = tokens[::beam // per, step:step + 1]
     feats = model.decode_features(prev, enc, cache)[:, -1]  # (R or A, D)
@@ -628,18 +646,23 @@ def _bar_eos(logits: Tensor, steps: Tensor, maxima: Tensor, bias: Tensor, min_le
 
 
 class Finished:
-    """Per sentence, the ``nbest`` best finished hypotheses (sorted, best first; ties keep the earlier one)."""
+    """Per sentence (any hashable id), the ``nbest`` best finished hypotheses (sorted, best first; ties keep the
+    earlier one)."""
 
-    def __init__(self, n: int, nbest: int):
+    def __init__(self, nbest: int):
         self.nbest = nbest
-        self.hyps: list[list[Hypothesis]] = [[] for _ in range(n)]
+        self.hyps: dict[int, list[Hypothesis]] = {}
 
     def add(self, sent: int, hyp: Hypothesis) -> float:
         """Insert ``hyp``; return the ``nbest``-th best score of the sentence (-inf while fewer are finished)."""
-        lst = self.hyps[sent]
+        lst = self.hyps.setdefault(sent, [])
         bisect.insort_right(lst, hyp, key=lambda h: -h.score)
         del lst[self.nbest:]
         return lst[-1].score if len(lst) == self.nbest else NEG_INF
+
+    def take(self, sent: int, n: int) -> list[Hypothesis]:
+        """The ``n`` best of sentence ``sent``, which leaves."""
+        return self.hyps.pop(sent, [])[:n]
 
 
 def finalize(finished: Finished, kth_best: Tensor, sent_ids, local: Tensor, rows: Tensor,
@@ -695,8 +718,9 @@ class SearchStrategy:
     """A way to search: registered as ``@register("search", NAME, config=ITS_OPTIONS)`` and chosen with ``--search
     NAME``; its own options arrive as ``cfg.options`` (an instance of its config, or None for the defaults).
 
-    Every strategy runs the one search loop (:meth:`__call__`, :func:`run_search`); a strategy says how a step
-    extends the hypotheses and when they end. The loop keeps **units** of ``rows_per_unit()`` hypotheses (a beam;
+    Every strategy runs the one search step (:func:`search_step`, looped by :func:`run_search` over a static batch
+    and by continuous batching over sentences that join and leave); a strategy says how a step extends the
+    hypotheses and when they end. The step keeps **units** of ``rows_per_unit()`` hypotheses (a beam;
     ``units_per_sentence`` units per sentence: samples are units of one row each), and at every step asks for
     each unit's candidate extensions, best first (:meth:`candidates`): the EOS ones finish a hypothesis, the
     first ``rows_per_unit()`` others stay live, and a unit leaves the batch when :meth:`done` says its n-best list
@@ -735,10 +759,11 @@ class SearchStrategy:
         """The encoder output and the decoder cache for the batch's units (and the strategy's own state)."""
         return model.encode(src_tokens, src_lengths), model.new_cache(self.rows_per_unit(), kernels)
 
-    def candidates(self, model: SearchModel, tokens: Tensor, step: int, enc, cache, max_len: Tensor,
+    def candidates(self, model: SearchModel, tokens: Tensor, step: int | Tensor, enc, cache, max_len: Tensor,
                    scores: Tensor, sym: Symbols, kernels: DecodingKernels) -> Extensions:
         """Decode step ``step`` (column ``step`` of ``tokens`` (R, T) holds each row's newest token) and return
-        every unit's candidate extensions (:meth:`step` of the log-probabilities under the search's rules)."""
+        every unit's candidate extensions (:meth:`step` of the log-probabilities under the search's rules).
+        ``step`` is (R,), each row's, in a running search that units join (only beam search is run that way)."""
         logits = model.decode(tokens[:, step:step + 1], enc, cache)[:, -1]
         lprobs = step_log_probs(logits, step, max_len, tokens[:, 1:step + 1], self.cfg, sym, rules=self.rules)
         return self.step(step, lprobs, scores)
@@ -764,6 +789,10 @@ class SearchStrategy:
     def keep_units(self, keep: Tensor) -> None:
         """The units ``keep`` stay (in that order): drop the strategy's state of the others."""
 
+    def add_units(self, n: int, device: torch.device) -> None:
+        """``n`` fresh units join the running search after the others (continuous batching): give them the
+        strategy's state."""
+
     def chosen(self, sel: Tensor) -> None:
         """The step's candidates that stay live: ``sel`` (A, K), per unit, the indices of its candidates (those
         :meth:`candidates` returned) the K rows continue, in row order."""
@@ -775,76 +804,145 @@ class SearchStrategy:
         return run_search(self, model, src_tokens, src_lengths, sym, sample_ids, kernels, guide)
 
 
+@dataclass
+class SearchState:
+    """What a search carries from one step to the next: ``A`` units of ``K`` rows (a unit: a beam, or a sample).
+
+    Every unit is at its own step (``steps``); ``step`` is their common one where they started together (a static
+    batch), None where units joined a running search later (continuous batching: :meth:`join`).
+    """
+
+    tokens: Tensor  # (A * K, T) column 0: the decoder's start token; column t + 1: the token generated at step t
+    pos_scores: Tensor  # (A * K, T) column t: that token's log-probability
+    scores: Tensor  # (A, K) the live rows' cumulative log-probabilities
+    steps: Tensor  # (A,) int64: tokens each unit has generated
+    max_len: Tensor  # (A,) each unit's length limit
+    kth_best: Tensor  # (A,) the score a live hypothesis must beat (its sentence's nbest-th finished one)
+    sentences: list  # each unit's sentence (its key in ``finished``)
+    finished: Finished
+    enc: Any  # the encoder output, in the form the model's decode takes
+    cache: Any  # the decoder's state (the model's new_cache, or new_pool_cache for units that join later)
+    step: int | None = 0
+
+    @classmethod
+    def start(cls, units: int, rows: int, max_len: Tensor, sentences: list, finished: Finished, enc, cache,
+              sym: Symbols, width: int | None = None, step: int | None = 0) -> SearchState:
+        """``units`` units of ``rows`` rows, each with only its first row alive (a unit's rows start identical),
+        under the limits ``max_len`` (units,); ``width``: token columns (None: the longest limit's)."""
+        dev = max_len.device
+        T = int(max_len.max()) + 2 if width is None else width
+        tokens = torch.full((units * rows, T), sym.eos, dtype=torch.long, device=dev)
+        tokens[:, 0] = sym.first  # column 0: the decoder's start token (EOS)
+        scores = torch.full((units, rows), NEG_INF, device=dev)
+        scores[:, 0] = 0.0
+        return cls(tokens, torch.zeros((units * rows, T), dtype=torch.float32, device=dev), scores,
+                   torch.zeros(units, dtype=torch.long, device=dev), max_len, torch.full((units,), NEG_INF, device=dev),
+                   sentences, finished, enc, cache, step)
+
+    @property
+    def units(self) -> int:
+        return len(self.sentences)
+
+    def join(self, other: SearchState, eos: int) -> None:
+        """Append ``other``'s units (fresh ones, at step 0; token columns widened with ``eos``); the units are at
+        different steps from then on."""
+        width = max(self.tokens.size(1), other.tokens.size(1))
+        self.tokens = torch.cat([_widen(self.tokens, width, eos), _widen(other.tokens, width, eos)])
+        self.pos_scores = torch.cat([_widen(self.pos_scores, width, 0.0), _widen(other.pos_scores, width, 0.0)])
+        for name in ("scores", "steps", "max_len", "kth_best"):
+            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+        self.sentences = self.sentences + other.sentences
+        self.step = None
+
+
+def _widen(x: Tensor, width: int, value) -> Tensor:
+    """``x`` (N, W, ...) with columns of ``value`` appended up to ``width``."""
+    if x.size(1) >= width:
+        return x
+    return torch.cat([x, x.new_full((x.size(0), width - x.size(1)) + tuple(x.shape[2:]), value)], dim=1)
+
+
+def search_step(strategy: SearchStrategy, model: SearchModel, state: SearchState, sym: Symbols,
+                kernels: DecodingKernels) -> list:
+    """One step of every unit of ``state`` (updated in place); returns the sentences of the units that left.
+
+    The units' candidate extensions (the strategy's): the EOS ones (those the strategy lets finish) become
+    finished hypotheses, the first K others of each unit stay live (a unit's rows continue rows of the same unit),
+    and the units whose n-best list is final, or that are at their length limit, leave (their rows of encoder
+    output and cache are dropped).
+    """
+    cfg = strategy.cfg
+    K, A, dev = strategy.rows_per_unit(), state.units, state.tokens.device
+    step = state.step if state.step is not None else state.steps.repeat_interleave(K)  # the tokens each row has
+    row_max_len = state.max_len.repeat_interleave(K) if K > 1 else state.max_len
+    top_s, top_lp, beam_i, tok = strategy.candidates(model, state.tokens, step, state.enc, state.cache, row_max_len,
+                                                     state.scores.view(-1), sym, kernels)  # (A, C) each
+    is_eos = tok == sym.eos
+    fin = strategy.finishing(is_eos & (top_s > NEG_INF))
+    if bool(fin.any()):
+        local, c = fin.nonzero(as_tuple=True)
+        finalize(state.finished, state.kth_best, state.sentences, local, local * K + beam_i[local, c], state.tokens,
+                 state.pos_scores, state.step if state.step is not None else state.steps[local], top_lp[local, c],
+                 top_s[local, c], cfg.length_penalty, sym.eos)
+    C = top_s.size(1)
+    sel = (is_eos.long() * C + torch.arange(C, device=dev)).topk(K, dim=1, largest=False).indices
+    new_s, new_tok, new_lp = top_s.gather(1, sel), tok.gather(1, sel), top_lp.gather(1, sel)
+    src_rows = (torch.arange(A, device=dev) * K)[:, None] + beam_i.gather(1, sel)
+    strategy.chosen(sel)
+    # the best live score: the first for strategies whose candidates come best first, not for all (constrained)
+    done = strategy.done(state.step if state.step is not None else state.steps, new_s.max(dim=1).values, fin,
+                         state.max_len, state.kth_best)
+    done |= state.steps >= state.max_len  # at the limit only EOS was allowed
+    keep, left = None, []
+    if bool(done.any()):
+        left = [state.sentences[i] for i in done.nonzero(as_tuple=True)[0].tolist()]
+        keep = (~done).nonzero(as_tuple=True)[0]
+        src_rows, new_s, new_tok, new_lp = src_rows[keep], new_s[keep], new_tok[keep], new_lp[keep]
+        state.kth_best, state.max_len, state.steps = state.kth_best[keep], state.max_len[keep], state.steps[keep]
+        strategy.keep_units(keep)
+        state.sentences = [state.sentences[i] for i in keep.tolist()]
+    order = src_rows.reshape(-1)
+    if K > 1 or keep is not None:  # with one row per unit and none leaving, every row continues itself
+        state.tokens, state.pos_scores = state.tokens[order], state.pos_scores[order]
+        state.enc, state.cache = model.reorder(state.enc, state.cache, order, keep)
+        if strategy.rules is not None:
+            strategy.rules.reorder(order)
+    if state.step is not None:
+        state.tokens[:, state.step + 1] = new_tok.reshape(-1)
+        state.pos_scores[:, state.step] = new_lp.reshape(-1)
+        state.step += 1
+    else:
+        at = state.steps.repeat_interleave(K)
+        rows = torch.arange(order.numel(), device=dev)
+        state.tokens[rows, at + 1] = new_tok.reshape(-1)
+        state.pos_scores[rows, at] = new_lp.reshape(-1)
+    state.steps += 1
+    state.scores = new_s
+    return left
+
+
 @torch.inference_mode()
 def run_search(strategy: SearchStrategy, model: SearchModel, src_tokens: Tensor, src_lengths: Tensor,
                sym: Symbols, sample_ids: Tensor | None = None, kernels: DecodingKernels = DecodingKernels(),
                guide: Guidance | None = None) -> list[list[Hypothesis]]:
-    """The search loop every strategy runs (see :class:`SearchStrategy`).
-
-    Each step takes the units' candidate extensions: the EOS ones (those the strategy lets finish) become
-    finished hypotheses, the first K others of each unit stay live (a unit's rows continue rows of the same
-    unit), and the units whose n-best list is final leave the batch (their rows of encoder output and cache are
-    dropped); the search ends when none is left or at the longest length limit.
-    """
+    """The static search every strategy runs (see :class:`SearchStrategy`): the batch's units start together
+    and :func:`search_step` runs until none is left (or at the longest length limit)."""
     cfg = strategy.cfg
     dev = src_tokens.device
     B, U, K = src_tokens.size(0), strategy.units_per_sentence, strategy.rows_per_unit()
-    A = B * U
-    max_len = max_lengths(src_lengths.to(dev), cfg, max_target_positions(model))  # per unit
+    max_len = max_lengths(src_lengths.to(dev), cfg, max_target_positions(model))  # per sentence
     guide = guide or Guidance()
     strategy.guide(guide, sym, max_len)
     strategy.rules = Rules(guide, B, U * K, sym, dev) if guide else None
     if U > 1:
-        max_len = max_len.repeat_interleave(U)
+        max_len = max_len.repeat_interleave(U)  # per unit
     enc, cache = strategy.start(model, src_tokens, src_lengths, kernels, sample_ids)
-    T = int(max_len.max()) + 2
-    tokens = torch.full((A * K, T), sym.eos, dtype=torch.long, device=dev)
-    tokens[:, 0] = sym.first  # column 0: the decoder's start token (EOS)
-    pos_scores = torch.zeros((A * K, T), dtype=torch.float32, device=dev)
-    scores = torch.full((A, K), NEG_INF, device=dev)
-    scores[:, 0] = 0.0  # a unit's rows start identical: keep only the first one alive at step 0
-    kth_best = torch.full((A,), NEG_INF, device=dev)
-    sent_ids = [a // U for a in range(A)]
-    finished = Finished(B, strategy.kept_per_sentence())
-    arange_a = torch.arange(A, device=dev)
-    for step in range(T - 1):
-        row_max_len = max_len.repeat_interleave(K) if K > 1 else max_len
-        top_s, top_lp, beam_i, tok = strategy.candidates(model, tokens, step, enc, cache, row_max_len,
-                                                         scores.view(-1), sym, kernels)  # (A, C) each
-        is_eos = tok == sym.eos
-        fin = strategy.finishing(is_eos & (top_s > NEG_INF))
-        if bool(fin.any()):
-            local, c = fin.nonzero(as_tuple=True)
-            finalize(finished, kth_best, sent_ids, local, local * K + beam_i[local, c], tokens, pos_scores, step,
-                     top_lp[local, c], top_s[local, c], cfg.length_penalty, sym.eos)
-        C = top_s.size(1)
-        sel = (is_eos.long() * C + torch.arange(C, device=dev)).topk(K, dim=1, largest=False).indices
-        new_s, new_tok, new_lp = top_s.gather(1, sel), tok.gather(1, sel), top_lp.gather(1, sel)
-        src_rows = (arange_a * K)[:, None] + beam_i.gather(1, sel)
-        strategy.chosen(sel)
-        # the best live score: the first for strategies whose candidates come best first, not for all (constrained)
-        done = strategy.done(step, new_s.max(dim=1).values, fin, max_len, kth_best)
-        keep = None
-        if bool(done.any()):
-            keep = (~done).nonzero(as_tuple=True)[0]
-            if keep.numel() == 0:
-                break
-            src_rows, new_s, new_tok, new_lp = src_rows[keep], new_s[keep], new_tok[keep], new_lp[keep]
-            kth_best, max_len = kth_best[keep], max_len[keep]
-            strategy.keep_units(keep)
-            sent_ids = [sent_ids[i] for i in keep.tolist()]
-            A = keep.numel()
-            arange_a = torch.arange(A, device=dev)
-        order = src_rows.reshape(-1)
-        if K > 1 or keep is not None:  # with one row per unit and none leaving, every row continues itself
-            tokens, pos_scores = tokens[order], pos_scores[order]
-            enc, cache = model.reorder(enc, cache, order, keep)
-            if strategy.rules is not None:
-                strategy.rules.reorder(order)
-        tokens[:, step + 1] = new_tok.reshape(-1)
-        pos_scores[:, step] = new_lp.reshape(-1)
-        scores = new_s
-    return [h[: cfg.nbest] for h in finished.hyps]
+    state = SearchState.start(B * U, K, max_len, [a // U for a in range(B * U)],
+                              Finished(strategy.kept_per_sentence()), enc, cache, sym)
+    last = state.tokens.size(1) - 1
+    while state.units and state.step < last:
+        search_step(strategy, model, state, sym, kernels)
+    return [state.finished.take(b, cfg.nbest) for b in range(B)]
 
 
 def search(model: SearchModel, src_tokens: Tensor, src_lengths: Tensor, cfg: SearchConfig, sym: Symbols,

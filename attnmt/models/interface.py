@@ -115,6 +115,13 @@ class SearchModel(nn.Module, ABC):
         first call, which may take one row per sentence (all hypotheses start alike; its keys/values serve all).
         ``kernels``: the backend's row padding and attention form."""
 
+    def new_pool_cache(self, beam: int, kernels: DecodingKernels = DecodingKernels(), device: Any = "cpu") -> Any:
+        """An empty cache of sentence places for a running search that sentences join (``admit(enc)``: their
+        encoder output, before the call that first decodes them) and leave (``reorder``), each decoded at its own
+        position, ``beam`` rows each; None where the model cannot be decoded that way (then it batches
+        statically)."""
+        return None
+
     @abstractmethod
     def reorder(self, enc: Any, cache: Any, new_order: Tensor,
                 sentences: Tensor | None = None) -> tuple[Any, Any]:

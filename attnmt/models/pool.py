@@ -44,6 +44,11 @@ def _grown(buf: Tensor | None, shape: tuple[int, ...], like: Tensor) -> Tensor:
     return new
 
 
+def _widened(x: Tensor, width: int) -> Tensor:
+    """``x`` (n, S, D) with zero positions appended up to ``width``."""
+    return x if x.size(1) >= width else torch.cat([x, x.new_zeros(x.size(0), width - x.size(1), x.size(2))], dim=1)
+
+
 class PoolLayerCache(LayerCache):
     """One decoder layer's keys/values in the pool's places."""
 
@@ -74,11 +79,11 @@ class PoolLayerCache(LayerCache):
         return _pad(c.attend(q[:R], self.k, self.v, "self"), q.size(0))
 
     def cross_attention(self, q: Tensor, project_kv, memory: Tensor) -> Tensor:
-        """``memory``: the encoder output of the sentences that joined since the last call (projected into their
-        places now); the others' keys/values are in place already."""
+        """The encoder output of the sentences that joined since the last call is projected into their places now
+        (the cache holds it: ``memory`` is not read); the others' keys/values are in place already."""
         c = self.owner
         if c.joining is not None:
-            k, v = project_kv(memory)  # (n, H, S_new, Dh)
+            k, v = project_kv(c.joining_memory)  # (n, H, S_new, Dh)
             shape = (c.places, k.size(1), c.source_positions, k.size(3))
             if self.cross_k is None or self.cross_k.shape != shape or self.cross_k.dtype != k.dtype:
                 self.cross_k, self.cross_v = _grown(self.cross_k, shape, k), _grown(self.cross_v, shape, k)
@@ -112,7 +117,8 @@ class PoolCache(DecoderCache):
         self.source_positions = 1  # source positions the encoder-decoder buffers hold
         self.keep = torch.zeros(0, 1, dtype=torch.bool, device=self.device)  # (places, S): False = no source there
         self.ancestors = torch.zeros(0, self.positions, dtype=torch.int32, device=self.device)  # (rows, positions)
-        self.joining: Tensor | None = None  # places whose encoder output arrives with the next call
+        self.joining: Tensor | None = None  # places whose encoder-decoder keys/values the next call projects
+        self.joining_memory: Tensor | None = None  # (joining, S, D) their encoder output
         self.rows = 0
         self._step_rows: StepRows | None = None
         self._masks: dict[tuple[str, torch.dtype], Tensor | None] = {}
@@ -129,9 +135,11 @@ class PoolCache(DecoderCache):
 
     # -------------------------------------------------------------------------------- sentences join and leave
 
-    def admit(self, padding: Tensor) -> Tensor:
-        """Give the sentences of an encoder output with padding mask ``padding`` (n, S) places after the live
-        ones (their rows come last in the next call, which must pass their encoder output); returns the places."""
+    def admit(self, enc) -> Tensor:
+        """Give the sentences of an encoder output ``enc`` (``out`` (n, S, D), ``padding_mask`` (n, S)) places
+        after the live ones (their rows come last in the next call, which projects their keys/values from it);
+        returns the places."""
+        padding = enc.padding_mask
         n, S = padding.shape
         if n > len(self.free):
             self._grow_places(max(2 * self.places, self.places + n - len(self.free)))
@@ -144,7 +152,13 @@ class PoolCache(DecoderCache):
         self.lengths[places] = 0
         self.live = torch.cat([self.live, places])
         self.ancestors = torch.cat([self.ancestors, self.ancestors.new_zeros(n * self.beam, self.positions)])
-        self.joining = places if self.joining is None else torch.cat([self.joining, places])
+        if self.joining is None:
+            self.joining, self.joining_memory = places, enc.out
+        else:  # two groups before a call: one memory, the shorter sources padded
+            a, b = self.joining_memory, enc.out
+            width = max(a.size(1), b.size(1))
+            self.joining = torch.cat([self.joining, places])
+            self.joining_memory = torch.cat([_widened(a, width), _widened(b, width)])
         return places
 
     def _grow_places(self, places: int) -> None:
@@ -193,7 +207,7 @@ class PoolCache(DecoderCache):
 
     def advance(self, x: Tensor, new_tokens: int, rows: int) -> Tensor:
         self.lengths[self.live] += new_tokens
-        self.joining = None
+        self.joining = self.joining_memory = None
         return x[:rows]
 
     def step_kernel(self, q: Tensor) -> StepAttention | None:

@@ -110,7 +110,7 @@ def test_the_pool_reuses_the_places_of_finished_sentences(model):
             stream.add([srcs[nxt]], [nxt])
             nxt += 1
     assert done == 30
-    assert stream.cache.places <= 8  # never more than twice the sentences in flight
+    assert stream.state.cache.places <= 8  # never more than twice the sentences in flight
 
 
 def test_blank_sentences_leave_at_the_next_step_without_the_model(model):
