@@ -24,7 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-BF16_SWITCH = "ATTNMT_CPU_BF16"
+from attnmt import settings
+
+BF16_SWITCH = settings.CPU_BF16
 # ONEDNN_MAX_CPU_ISA values that leave oneDNN no 32-bit int8 accumulation (AVX2_VNNI and up have it)
 _ONEDNN_CAPS_WITHOUT_VNNI = frozenset({"SSE41", "AVX", "AVX2", "AVX512_CORE"})
 
@@ -154,6 +156,7 @@ def _cpuinfo() -> tuple[str, str, frozenset[str]]:
 def cpu() -> CpuCapabilities:
     """The CPU's capabilities (detected on first use, then cached for the process)."""
     name, vendor, flags = _cpuinfo()
+    switches = settings.current()
     try:
         onednn = bool(torch.backends.mkldnn.is_available())
     except (AttributeError, RuntimeError):
@@ -167,8 +170,7 @@ def cpu() -> CpuCapabilities:
     except (AttributeError, RuntimeError):
         isa = "unknown"
     return CpuCapabilities(name=name, vendor=vendor, isa=isa, flags=flags, onednn=onednn, onednn_bf16=onednn_bf16,
-                           switched_off=os.environ.get(BF16_SWITCH, "").strip() == "0",
-                           onednn_fp32_choice=os.environ.get("ATTNMT_CPU_ONEDNN_FP32", "").strip())
+                           switched_off=not switches.cpu_bf16, onednn_fp32_choice=switches.cpu_onednn_fp32)
 
 
 def cuda_bf16(device: torch.device) -> bool:

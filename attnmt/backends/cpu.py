@@ -55,6 +55,7 @@ import warnings
 import torch
 from torch import Tensor, nn
 
+from attnmt import settings
 from attnmt.backends import capabilities
 from attnmt.backends.base import Backend, DecodingKernels, Mode, refuse_compile, swap_linears
 from attnmt.backends.onednn import quantize_u8_affine
@@ -181,6 +182,8 @@ class Int8Linear(nn.Module):
 
 class CpuBackend(Backend):
     name = "cpu"
+    worker_processes = True
+    process_unit = "CPU share"
 
     def __init__(self, device: torch.device, precision: str = "fp32"):
         super().__init__(device, precision)
@@ -270,7 +273,7 @@ class CpuBackend(Backend):
         if mode == "train":
             os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
             done["onednn_primitive_cache_capacity"] = os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"]
-        if os.environ.get("ATTNMT_CPU_MALLOC", "") != "default":
+        if settings.current().cpu_malloc != "default":
             if mode == "train":
                 done["malloc_keep_freed"] = _mallopt([(_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1)])
             else:

@@ -50,13 +50,13 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from attnmt import settings
 from attnmt.backends.capabilities import CpuCapabilities
 from attnmt.models.kernels import DropoutMasks, LossKernel, ScoreKernel, StepAttention, StepRows, TrainingAttention
 from attnmt.models.packing import SentenceRows
 
-SWITCH = "ATTNMT_CPU_KERNELS"
-TIMEOUT_SWITCH = "ATTNMT_KERNEL_BUILD_TIMEOUT"
-_SAID = "_ATTNMT_KERNELS_SAID"  # set once the warning was printed (inherited by worker processes)
+SWITCH = settings.CPU_KERNELS
+TIMEOUT_SWITCH = settings.KERNEL_BUILD_TIMEOUT
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("step_attention.c", "logsumexp.c", "smoothed_loss.c", "train_attention.c", "dropout.c"))
 HEADERS = (Path(__file__).with_name("csrc") / "vec.h",)
@@ -71,10 +71,7 @@ log = logging.getLogger(__name__)
 def cache_dir() -> Path:
     """Where compiled kernels are kept: ``$ATTNMT_CACHE_DIR``, else ``$XDG_CACHE_HOME/attnmt``, else
     ``~/.cache/attnmt``."""
-    if os.environ.get("ATTNMT_CACHE_DIR"):
-        return Path(os.environ["ATTNMT_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "attnmt"
+    return settings.current().cache
 
 
 def target(caps: CpuCapabilities) -> str:
@@ -128,12 +125,7 @@ def has_compiler() -> bool:
 
 def build_timeout() -> float:
     """Seconds a build may take before it is stopped (``$ATTNMT_KERNEL_BUILD_TIMEOUT``, default 120)."""
-    raw = os.environ.get(TIMEOUT_SWITCH, "")
-    try:
-        value = float(raw) if raw.strip() else 120.0
-    except ValueError:
-        value = 120.0
-    return value if 0 < value < float("inf") else 120.0
+    return settings.current().kernel_build_timeout
 
 
 def _run(command: list[str], timeout: float) -> subprocess.CompletedProcess:
@@ -586,9 +578,9 @@ def _build_and_load(isa: str) -> tuple[ctypes.CDLL, Path]:
 
 def _say(message: str) -> None:
     """One warning line on stderr, once for a process and the worker processes it starts."""
-    if os.environ.get(_SAID):
+    if settings.kernels_said():
         return
-    os.environ[_SAID] = "1"
+    settings.mark_kernels_said()
     print(f"attnmt: warning: {message}", file=sys.stderr, flush=True)
 
 
@@ -597,7 +589,7 @@ def library(isa: str) -> ctypes.CDLL | None:
     """The compiled kernels for PyTorch's CPU capability ``isa``, or None where they cannot be had (no compiler,
     a failed or timed-out build, ``ATTNMT_CPU_KERNELS=0``); built or loaded once per process. A failed build is
     said once on stderr and remembered in the cache (``failed-*.txt``), so later runs do not wait on it again."""
-    if os.environ.get(SWITCH, "").strip() == "0":
+    if not settings.current().cpu_kernels:
         _status[isa] = f"off ({SWITCH}=0)"
         return None
     failure: Path | None = None  # where a failed build is remembered (None: nothing worth remembering)
@@ -641,7 +633,7 @@ def status(isa: str) -> str:
     else what the cache holds (for ``attnmt --version``, ``attnmt list`` and the training start line)."""
     if isa in _status:
         return _status[isa]
-    if os.environ.get(SWITCH, "").strip() == "0":
+    if not settings.current().cpu_kernels:
         return f"off ({SWITCH}=0)"
     try:
         compiler = _compiler()
@@ -697,4 +689,4 @@ def clear() -> None:
     library.cache_clear()
     _kernel.cache_clear()
     _status.clear()
-    os.environ.pop(_SAID, None)
+    settings.mark_kernels_said(False)

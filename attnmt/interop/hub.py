@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from attnmt import settings
 from attnmt.errors import UserError
 from attnmt.interop.huggingface import import_model
 
@@ -72,9 +73,7 @@ def resolve(path: str | os.PathLike) -> str:
         if f.is_file():
             st = f.stat()
             key.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
-    base = os.environ.get("ATTNMT_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "attnmt")
-    out = Path(base) / "imported" / f"{d.name}-{key.hexdigest()[:16]}.pt"
+    out = settings.current().cache / "imported" / f"{d.name}-{key.hexdigest()[:16]}.pt"
     if not out.is_file():
         from attnmt import checkpoint
 
