@@ -176,9 +176,6 @@ def load_for_inference(path: str | os.PathLike, device: str | torch.device = "cp
                                 f"differ (the members must share dictionaries and text pipeline)")
         return replace(first, model=Ensemble([b.model for b in bundles]), arch="ensemble of " + ", ".join(
             b.arch for b in bundles))
-    from attnmt import registry
-
-    registry.load_builtins()
     p = checkpoint.resolve(path)
     ckpt = checkpoint.load(p)
     data = checkpoint.DataSection.from_dict(ckpt["data"], p)

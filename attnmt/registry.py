@@ -130,12 +130,10 @@ def register_arch(name: str, model: str, description: str | None = None) -> Call
 
 
 def get(kind: str, name: str) -> Entry:
-    load_builtins()  # a lookup from Python (not the CLI) sees the built-in components too
     return REGISTRIES[kind].get(name)
 
 
 def choices(kind: str) -> list[str]:
-    load_builtins()
     return REGISTRIES[kind].choices()
 
 
@@ -151,18 +149,8 @@ def arch_config(arch: str, overrides: dict[str, Any] | None = None):
 
 # ----------------------------------------------------------------------------------------- plugins
 
-_loaded_builtins = False
 _loaded_user_dirs: set[str] = set()
 _user_modules: set[str] = set()
-
-
-def load_builtins() -> None:
-    """Import the modules whose decorators register the built-in components."""
-    global _loaded_builtins
-    if _loaded_builtins:
-        return
-    _loaded_builtins = True
-    import attnmt.builtins  # noqa: F401
 
 
 def load_entry_point_plugins() -> None:
@@ -233,8 +221,8 @@ def import_user_dir(path: str | Path, option: str = "--user-dir") -> None:
 
 
 def load_plugins(user_dirs: list[str] | tuple[str, ...] = (), env_dirs: list[str] | tuple[str, ...] = ()) -> None:
-    """Built-ins, entry-point plugins, ``--user-dir`` paths, then ``ATTNMT_USER_DIR`` ones."""
-    load_builtins()
+    """Entry-point plugins, ``--user-dir`` paths, then ``ATTNMT_USER_DIR`` ones (the built-in components register
+    when their packages are imported: ``attnmt.cli.load_components``)."""
     load_entry_point_plugins()
     for d in user_dirs:
         import_user_dir(d)

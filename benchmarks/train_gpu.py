@@ -202,9 +202,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     from attnmt.backends import configure_process
-    from attnmt.registry import load_builtins
+    from attnmt.cli import load_components
 
-    load_builtins()
+    load_components()
     device = torch.device(args.device)
     configure_process("train", args.device)
     if args.cudnn_attention and device.type == "cuda":

@@ -255,10 +255,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workdir", default=None, help="keep fairseq data and logs here instead of a temp directory")
     args = ap.parse_args(argv)
     from attnmt.backends import configure_process, cpu, resolve_precision
+    from attnmt.cli import load_components
     from attnmt.errors import UserError
-    from attnmt.registry import load_builtins
 
-    load_builtins()
+    load_components()
     configure_process("train", "cpu")
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -13,6 +13,7 @@ import sys
 
 import click
 
+from attnmt import settings
 from attnmt.errors import UserError
 from attnmt.signals import Terminated
 
@@ -35,6 +36,18 @@ COMMANDS = {
 }
 
 
+# the packages and modules whose import registers the built-in components, one per kind (a package registers
+# its own modules in its __init__); tests/test_registry.py checks that every registering module is reached
+COMPONENTS = ("attnmt.models", "attnmt.tasks", "attnmt.criterions", "attnmt.optim", "attnmt.data.subword",
+              "attnmt.generation")
+
+
+def load_components() -> None:
+    """Register the built-in components: import the packages that hold them."""
+    for name in COMPONENTS:
+        importlib.import_module(name)
+
+
 def _user_dirs(argv: list[str]) -> tuple[list[str], list[str]]:
     """The plugin paths of ``--user-dir`` options and of the ``ATTNMT_USER_DIR`` environment variable."""
     dirs = []
@@ -43,8 +56,7 @@ def _user_dirs(argv: list[str]) -> tuple[list[str], list[str]]:
             dirs.append(argv[i + 1])
         elif a.startswith("--user-dir="):
             dirs.append(a.split("=", 1)[1])
-    env = os.environ.get("ATTNMT_USER_DIR")
-    return dirs, [p for p in env.split(os.pathsep) if p] if env else []
+    return dirs, list(settings.current().user_dirs)
 
 
 class LazyGroup(click.Group):
@@ -191,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
         from attnmt.registry import load_plugins
 
         signals.install()  # SIGTERM/SIGHUP unwind like Ctrl-C (attnmt/signals.py)
+        load_components()
         load_plugins(*_user_dirs(argv))
         cli.main(args=argv, prog_name="attnmt", standalone_mode=False)
     except UserError as e:

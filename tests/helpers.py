@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from attnmt.cli import load_components
 from attnmt.data.dictionary import Dictionary
 from attnmt.data.indexed import IndexedDatasetBuilder
 from attnmt.models.transformer import TransformerConfig, TransformerModel
@@ -111,12 +112,11 @@ def sentence_lines(n: int, seed: int) -> list[str]:
 
 def make_checkpoint(d: Path) -> Path:
     """A self-contained checkpoint in ``d``: random tiny Transformer, SentencePiece model and joined dictionary."""
-    from attnmt import registry
     from attnmt.config import to_dict
     from attnmt.data.subword import SentencePieceBPE, TextPipeline
     from attnmt.fileio import atomic_torch_save
 
-    registry.load_builtins()
+    load_components()
     corpus = d / "corpus.txt"
     corpus.write_text("\n".join(sentence_lines(300, 0)) + "\n", encoding="utf-8")
     bpe = SentencePieceBPE.train([str(corpus)], 60, str(d / "spm"))

@@ -14,18 +14,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # lowest first; a module may import its own layer and the ones before it
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("attnmt.errors", "attnmt.fileio", "attnmt.config", "attnmt.registry", "attnmt.signals")),
+    ("base", ("attnmt.errors", "attnmt.fileio", "attnmt.config", "attnmt.registry", "attnmt.signals",
+              "attnmt.settings")),
     ("data", ("attnmt.data", "attnmt.scoring", "attnmt.progress")),
     ("models", ("attnmt.models",)),
     ("components", ("attnmt.criterions", "attnmt.optim", "attnmt.tasks", "attnmt.checkpoint", "attnmt.backends")),
-    ("inference", ("attnmt.generation", "attnmt.inference", "attnmt.checkpoint.averaging", "attnmt.builtins")),
+    ("inference", ("attnmt.generation", "attnmt.inference", "attnmt.checkpoint.averaging")),
     ("work", ("attnmt.training", "attnmt.preprocess", "attnmt.plots", "attnmt.interop")),
     ("service", ("attnmt.api", "attnmt.serve")),
     ("commands", ("attnmt.cli",)),
 ]
-# the upward imports: the registry imports the built-in components when first asked for a name
-# and the package's public names, re-exported from the API on first use
-ALLOWED = {("attnmt.registry", "attnmt.builtins"), ("attnmt", "attnmt.api"), ("attnmt", "attnmt.errors")}
+# the one upward import: the package's public names, re-exported from the API on first use
+ALLOWED = {("attnmt", "attnmt.api"), ("attnmt", "attnmt.errors")}
 
 
 def _modules() -> dict[str, Path]:

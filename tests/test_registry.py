@@ -11,6 +11,7 @@ from typing import Literal
 import pytest
 
 from attnmt import registry
+from attnmt.cli import load_components
 from attnmt.config import make_config
 from attnmt.errors import UserError
 
@@ -50,7 +51,7 @@ def test_duplicate_name_is_refused():
 
 
 def test_unknown_name_lists_choices():
-    registry.load_builtins()
+    load_components()
     with pytest.raises(UserError) as e:
         registry.get("arch", "transformer_huge")
     msg = str(e.value)
@@ -185,3 +186,45 @@ def test_click_options_map_fields_to_flags():
     assert seen == {"share_all_embeddings": False, "no_scale_embedding": True, "encoder_layers": 3}
     seen.clear()
     assert CliRunner().invoke(cmd, []).exit_code == 0 and seen == {}  # nothing typed, nothing overridden
+
+
+def test_every_registering_module_is_loaded_by_the_components():
+    """A module whose decorators register a built-in component is one of ``COMPONENTS`` or imported by the
+    ``__init__`` of one of them (a module left off would silently not register); and importing the components
+    in a fresh interpreter registers every built-in name that ``attnmt list`` shows."""
+    import ast
+    from pathlib import Path
+
+    from attnmt.cli import COMPONENTS
+
+    root = Path(registry.__file__).resolve().parent
+
+    def name_of(path: Path) -> str:
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    def registers(tree: ast.AST) -> bool:
+        return any(isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", "")) in
+                   ("register", "register_arch") for n in ast.walk(tree))
+
+    def imported_by_init(module: str) -> bool:
+        package, _, leaf = module.rpartition(".")
+        if package not in COMPONENTS:
+            return False
+        tree = ast.parse((root.parent / Path(*package.split(".")) / "__init__.py").read_text())
+        return any(isinstance(n, ast.ImportFrom) and n.module == package and leaf in [a.name for a in n.names]
+                   for n in ast.walk(tree))
+
+    missing = []
+    for path in sorted(root.rglob("*.py")):
+        module = name_of(path)
+        if module == "attnmt.registry" or not registers(ast.parse(path.read_text())):
+            continue
+        if module not in COMPONENTS and not imported_by_init(module):
+            missing.append(module)
+    assert missing == []
+    code = ("from attnmt.cli import load_components\nfrom attnmt import registry\nload_components()\n"
+            "print(sorted((k, n) for k, r in registry.REGISTRIES.items() for n in r.entries))")
+    fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "('search', 'constrained')" in fresh and "('arch', 'transformer_big')" in fresh
+    assert "('bpe', 'sentencepiece')" in fresh and "('task', 'translation')" in fresh

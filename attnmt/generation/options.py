@@ -19,13 +19,11 @@ from attnmt.generation.search import SearchConfig
 
 def search_option_classes() -> list[type]:
     """The search options: the shared ones and those of every registered strategy (plugins included)."""
-    registry.load_builtins()
     return [SearchConfig, *(e.config for e in registry.REGISTRIES["search"].entries.values() if e.config is not None)]
 
 
 def search_config(given: dict[str, Any]) -> SearchConfig:
     """The typed search config, with the chosen strategy's own options; an option of another strategy is an error."""
-    registry.load_builtins()
     if given.get("sampling") and given.get("search", "sampling") != "sampling":
         raise UserError(f"--sampling and --search {given['search']} disagree (--sampling means --search sampling); "
                         f"give one of them")

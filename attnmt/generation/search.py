@@ -47,6 +47,7 @@ from torch import Tensor
 
 from attnmt.models.interface import SearchModel
 from attnmt.models.kernels import BlockMaxima, DecodingKernels
+from attnmt.registry import get
 
 NEG_INF = float("-inf")
 
@@ -957,9 +958,6 @@ def search(model: SearchModel, src_tokens: Tensor, src_lengths: Tensor, cfg: Sea
     candidate selection never change a result. ``guide``: prefixes, constraints and suppressed sequences
     (:class:`Guidance`); sentences with constraints are searched by the ``constrained`` strategy.
     """
-    from attnmt.registry import get, load_builtins
-
-    load_builtins()
     name = cfg.search
     if guide is not None and guide.constraints is not None and any(guide.constraints) and name == "beam":
         name = "constrained"

@@ -246,7 +246,6 @@ def import_checkpoint(path: str | os.PathLike, src_dict_path: str | os.PathLike,
     from attnmt.data.dictionary import Dictionary
     from attnmt.models.interface import build_model
 
-    registry.load_builtins()
     options, state = read_checkpoint(path)
     dicts = []
     for what, p in (("source", src_dict_path), ("target", tgt_dict_path)):

@@ -431,7 +431,6 @@ def import_model(model_dir: str | os.PathLike, source_lang: str | None = None,
     from attnmt.config import make_config, to_dict
     from attnmt.models.interface import build_model
 
-    registry.load_builtins()
     d = Path(model_dir)
     cfg = read_config(d)
     state = read_weights(d)

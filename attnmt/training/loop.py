@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+import attnmt.tasks  # noqa: F401  (the built-in tasks register on import)
 from attnmt import checkpoint
 from attnmt.backends import Backend, backend_for, resolve_precision, set_threads, training_device
 from attnmt.checkpoint import resume as ckpts
@@ -189,10 +190,10 @@ class TrainingRun:
             _report_start(log, self.task, self.setup, cfg, self.model, self.itr, self.skipped, self.valid_sets,
                           self.backend, self.notes)
             if cfg.world_size > 1:
-                device, dist_cfg = self.backend.device, self.dist_cfg
+                dist_cfg = self.dist_cfg
                 log.info(f"processes: {cfg.world_size} "
                          f"({distributed.choose_backend(self.backend, dist_cfg.distributed_backend)}, one per "
-                         f"{'GPU' if device.type == 'cuda' else 'CPU share'}), each on its own shard of the batches; "
+                         f"{self.backend.process_unit}), each on its own shard of the batches; "
                          f"collectives time out after --ddp-timeout {dist_cfg.ddp_timeout:g} s")
             with distributed.Preemption() as preemption:
                 summary = self._loop(train_time, preemption)

@@ -210,9 +210,10 @@ def test_checkpoint_options_keep_best_no_last_no_save_and_restore_file(bpe_model
 
 
 def test_fairseq_architecture_names_and_refusals(bpe_model, tmp_path):
-    from attnmt.registry import arch_config, load_builtins
+    from attnmt.cli import load_components
+    from attnmt.registry import arch_config
 
-    load_builtins()
+    load_components()
     t2t = arch_config("transformer_wmt_en_de_big_t2t")
     assert t2t.encoder_embed_dim == 1024 and t2t.encoder_normalize_before and t2t.attention_dropout == 0.1
     assert arch_config("transformer_vaswani_wmt_en_de_big") == arch_config("transformer_big")

@@ -2,6 +2,7 @@ import random
 
 import pytest
 
+from attnmt.cli import load_components
 from attnmt.data.subword import (
     MosesTokenizer,
     NoBPE,
@@ -11,7 +12,7 @@ from attnmt.data.subword import (
     build_tokenizer,
 )
 from attnmt.errors import UserError
-from attnmt.registry import get, load_builtins
+from attnmt.registry import get
 
 WORDS = ("man woman child dog cat street house water ball red blue green small big young old runs walks "
          "plays sits stands jumps holds looks near with under over the a in on at").split()
@@ -34,7 +35,7 @@ def train_file(tmp_path_factory):
 
 
 def test_registered():
-    load_builtins()
+    load_components()
     assert get("bpe", "sentencepiece").obj is SentencePieceBPE
     assert get("bpe", "none").obj is NoBPE
     assert get("tokenizer", "moses").obj is MosesTokenizer

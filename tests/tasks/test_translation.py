@@ -7,8 +7,8 @@ import json
 import pytest
 from helpers import make_data_bin
 
-from attnmt import registry
 from attnmt.checkpoint import DataSection
+from attnmt.cli import load_components
 from attnmt.errors import UserError
 from attnmt.tasks.translation import TranslationConfig, TranslationTask
 
@@ -61,7 +61,7 @@ def test_data_section_round_trips_and_identifies_the_dictionaries(data_bin, tmp_
 
 
 def test_model_config_shares_embeddings_only_with_a_joined_dictionary(data_bin, tmp_path):
-    registry.load_builtins()
+    load_components()
     joined = TranslationTask(TranslationConfig(), data_bin)
     name, cfg, notes = joined.model_config("transformer", {"encoder_layers": 1, "decoder_layers": 1})
     assert name == "transformer" and cfg.share_all_embeddings and notes[0].startswith("sharing all embeddings (joined dictionary")

@@ -240,12 +240,13 @@ def test_sigusr1_in_one_process_saves_exits_75_and_resumes_exactly(tmp_path, mon
 
 
 def _tiny_trainer(world_size=1, ddp=False):
+    from attnmt.cli import load_components
     from attnmt.criterions import LabelSmoothedCrossEntropy, LabelSmoothedCrossEntropyConfig
     from attnmt.optim import AdamConfig, FixedConfig, FixedSchedule, build_adam
-    from attnmt.registry import arch_config, get, load_builtins
+    from attnmt.registry import arch_config, get
     from attnmt.training.trainer import Trainer
 
-    load_builtins()
+    load_components()
     cfg = arch_config("transformer_small", dict(encoder_layers=1, decoder_layers=1, encoder_embed_dim=16,
                                                  decoder_embed_dim=16, encoder_ffn_embed_dim=32,
                                                  decoder_ffn_embed_dim=32, encoder_attention_heads=2,

@@ -5,18 +5,19 @@ import pytest
 import torch
 
 from attnmt.backends import backend_for
+from attnmt.cli import load_components
 from attnmt.criterions import LabelSmoothedCrossEntropy, LabelSmoothedCrossEntropyConfig
 from attnmt.data.pairs import collate_pairs
 from attnmt.errors import UserError
 from attnmt.optim import AdamConfig, FixedConfig, FixedSchedule, build_adam
-from attnmt.registry import arch_config, get, load_builtins
+from attnmt.registry import arch_config, get
 from attnmt.training.trainer import Trainer
 
 PAD, EOS, V = 1, 2, 24
 
 
 def _model(seed=0):
-    load_builtins()
+    load_components()
     cfg = arch_config("transformer_small", dict(encoder_layers=1, decoder_layers=1, encoder_embed_dim=16,
                                                  decoder_embed_dim=16, encoder_ffn_embed_dim=32,
                                                  decoder_ffn_embed_dim=32, encoder_attention_heads=2,
