@@ -51,7 +51,10 @@ def run(args, precision: str, max_tokens: int, graphs: str = "on") -> dict:
     if args.kernels == "cpu":  # the search as the CPU backend runs it, on this device
         cpu_kernels = DecodingKernels(row_bucket=None, blockwise_topk=True, low_precision_scores=True)
         generator.backend.decoding_kernels = lambda: cpu_kernels
-    chosen = replace(generator.backend.decoding_kernels(), graph_steps=graphs == "on")  # on: CUDA graphs
+    from attnmt.backends.cuda import CudaGraphSteps
+
+    chosen = replace(generator.backend.decoding_kernels(),  # on: the beam steps as CUDA graphs
+                     step_graphs=(lambda: CudaGraphSteps(device)) if graphs == "on" else None)
     generator.backend.decoding_kernels = lambda: chosen
     if args.as_before:  # the device's kernels, scoring 256 rows at a time as before
         before = replace(generator.backend.decoding_kernels(), score_rows=256)

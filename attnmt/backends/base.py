@@ -60,6 +60,8 @@ class Backend:
     """One device and one resolved precision ("fp32", "bf16" or "fp16")."""
 
     name = "generic"
+    worker_processes = False  # translation may run in several decoding processes (--workers)
+    process_unit = "device"  # what each torchrun process trains on, in the start line
 
     def __init__(self, device: torch.device, precision: str = "fp32"):
         if precision not in ("fp32", "bf16", "fp16"):

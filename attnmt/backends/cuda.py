@@ -31,7 +31,7 @@ What it decides, once per run:
   block (each block of a step costs its own few dozen launches). With ``ATTNMT_CUDA_GRAPHS=1`` beam search keeps
   every decoder shape fixed for a batch (``models/static_cache.py``) and runs each step as one CUDA graph,
   captured once per buffer size: a step costs one launch instead of a few dozen, which is what bounds translation
-  on a GPU (``graph_steps``; not yet the default: it becomes so once measured against the launches on a GPU).
+  on a GPU (:class:`CudaGraphSteps`; not yet the default: it becomes so once measured against the launches on a GPU).
   Batches default to 16,000 source tokens per
   20 GiB of GPU memory, up to 64,000 (:meth:`decoding_max_tokens`).
 * **Checkpoint snapshots** go to page-locked host buffers, reused from save to save, so that copying the state
@@ -41,15 +41,16 @@ What it decides, once per run:
 from __future__ import annotations
 
 import contextlib
-import os
+import sys
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnmt import settings
 from attnmt.backends.base import Backend, HostStaging, Mode
 from attnmt.errors import UserError
-from attnmt.models.kernels import DecodingKernels
+from attnmt.models.kernels import DecodingKernels, StepRecorder
 from attnmt.models.packing import set_row_packing
 from attnmt.models.tuning import set_plain_attention_max_len
 
@@ -93,8 +94,63 @@ def compile_layers(model: nn.Module) -> int:
     return len(layers)
 
 
+_graph_failure_said = False
+
+
+def _say_graphs_off(err: BaseException) -> None:
+    global _graph_failure_said
+    if not _graph_failure_said:
+        _graph_failure_said = True
+        print(f"attnmt: warning: decoding steps run without CUDA graphs (the capture failed: "
+              f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); translations are the same",
+              file=sys.stderr)
+
+
+class CudaGraphSteps(StepRecorder):
+    """A fixed-shape cache's steps as CUDA graphs: each recorded step runs once on a side stream (allocations
+    and library handles made before the capture, as CUDA graphs need), then is captured into a graph of this
+    recorder's memory pool and replayed from then on. A step that cannot be captured runs eagerly from then on
+    (said once)."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.failed = False
+        self._pool = None
+        self._stream = None  # the side stream of the warm-up runs and the captures
+
+    def record(self, step):
+        if self.failed:
+            step()
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # after every step queued before
+        with torch.cuda.stream(stream):
+            step()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        try:
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            # the capture itself, without torch.cuda.graph's collection and cache emptying at each capture;
+            # thread-local, so that another thread's CUDA work (a service's) does not break it
+            with torch.cuda.stream(stream):
+                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                try:
+                    step()  # recorded, not run: the step is idempotent, its results stand
+                finally:
+                    graph.capture_end()
+            return graph.replay
+        except Exception as err:  # a step that cannot be captured runs eagerly, said once
+            self.failed = True
+            _say_graphs_off(err)
+            return None
+
+
 class CudaBackend(Backend):
     name = "cuda"
+    process_unit = "GPU"
 
     def prepare_training(self, model: nn.Module, attention: str = "auto", compile: bool = False) -> nn.Module:
         set_plain_attention_max_len(model, 0)  # SDPA's flash/memory-efficient kernels
@@ -116,7 +172,9 @@ class CudaBackend(Backend):
 
     def decoding_kernels(self) -> DecodingKernels:
         return DecodingKernels(row_bucket=None, fused_attention=True, blockwise_topk=False, low_precision_scores=False,
-                               score_rows=SCORE_ROWS, graph_steps=os.environ.get("ATTNMT_CUDA_GRAPHS") == "1")
+                               score_rows=SCORE_ROWS,
+                               step_graphs=(lambda: CudaGraphSteps(self.device)) if settings.current().cuda_graphs
+                               else None)
 
     def decoding_max_tokens(self) -> int:
         # a beam step is bound by launch overhead until the batch has thousands of rows: larger batches fill the

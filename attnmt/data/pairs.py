@@ -116,9 +116,7 @@ def collate_pairs(srcs: list[np.ndarray], tgts: list[np.ndarray], ids: np.ndarra
 
 
 def move_to(batch: dict, device: torch.device) -> dict:
-    """The batch with every tensor on ``device`` (non-blocking copies on CUDA)."""
-    if device.type == "cpu":
-        return batch
+    """The batch with every tensor on ``device`` (non-blocking copies; a tensor already there is itself)."""
     out = {}
     for k, v in batch.items():
         if isinstance(v, dict):

@@ -26,6 +26,7 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from attnmt.generation.beam import BeamSearch
+from attnmt.generation.generator import collate
 from attnmt.generation.search import (
     Finished,
     Hypothesis,
@@ -96,8 +97,6 @@ class ContinuousSearch:
 
     def add(self, sources: Sequence[Sequence[int]], keys: Sequence[Hashable]) -> None:
         """Let ``sources`` (id lists with their final EOS, within the model's limit) join at the next step."""
-        from attnmt.generation.generator import collate
-
         keys = list(keys)
         if len(keys) != len(sources):
             raise ValueError(f"{len(sources)} sources but {len(keys)} keys")

@@ -233,7 +233,7 @@ class Generator:
         ``load``: how a worker of several threads loads its own copy, needed for those)."""
         from attnmt.generation.workers import WorkerPool
 
-        if self.device.type != "cpu":
+        if not self.backend.worker_processes:
             raise UserError(f"--workers runs several decoding processes on the CPU; on {self.device} use one "
                             f"(drop --workers)")
         self.close()

@@ -147,9 +147,10 @@ class DecodingKernels:
     (the CPU's compiled one), used where it ``supports`` the logits; ``log_softmax`` and block maxima otherwise.
     ``block_maxima``: how those maxima are taken (None: ``amax`` over each block; the CPU's reads bf16
     log-probabilities as integers).
-    ``graph_steps``: beam search keeps a cache of fixed shapes for the whole batch
-    (:class:`~attnmt.models.static_cache.StaticCache`), whose steps a CUDA device captures once as a graph and
-    replays: one launch a step instead of a few dozen, the same translations up to rounding.
+    ``step_graphs``: beam search keeps a cache of fixed shapes for the whole batch
+    (:class:`~attnmt.models.static_cache.StaticCache`), whose steps the recorder this makes (one per cache:
+    a CUDA device's captures them once as a graph and replays them, one launch a step instead of a few dozen;
+    :class:`EagerSteps` runs them as they are) runs: the same translations up to rounding. None: the slot cache.
     ``score_rows``: about how many rows a step projects to the vocabulary and scores at a time (whole sentences):
     few on a CPU, so that the logits stay in cache and their memory is reused; on a GPU all the batch's at once,
     where every block costs its own few dozen kernel launches. Each sentence's numbers are the same either way.
@@ -163,7 +164,24 @@ class DecodingKernels:
     blockwise_topk: bool = True
     low_precision_scores: bool = True
     block_maxima: BlockMaxima | None = None
-    graph_steps: bool = False
+    step_graphs: Callable[[], StepRecorder] | None = None
+
+
+class StepRecorder(ABC):
+    """How a cache of fixed shapes runs its decoding steps (a backend's: ``DecodingKernels.step_graphs``)."""
+
+    @abstractmethod
+    def record(self, step: Callable[[], None]) -> Callable[[], None] | None:
+        """Run ``step`` (a function of the cache's buffers alone, the same work at every call) once; return what
+        replays it on the buffers' new contents, or None where it is to be run again as it is."""
+
+
+class EagerSteps(StepRecorder):
+    """Every step run as it is (what a device without graphs does)."""
+
+    def record(self, step: Callable[[], None]) -> None:
+        step()
+        return None
 
 
 Projection = Callable[[Tensor, Tensor], Tensor]  # (a, b) -> a @ b^T

@@ -16,34 +16,25 @@ cache instead fixes every shape for as long as it can:
   of the sentence holds each position of a row's history, and reordering the beams moves only these integers.
   The encoder-decoder keys/values are projected once, on the first step.
 
-:meth:`StaticCache.run` runs a step of the decoder on these buffers: eagerly, or, on a CUDA device, by capturing
-the step (embedding, every layer, the final norm) once per buffer size as a CUDA graph and replaying it: one
-launch per step instead of one per kernel. A step computes the same function either way, and the same one as the
+:meth:`StaticCache.run` runs a step of the decoder on these buffers through the backend's recorder
+(``DecodingKernels.step_graphs``): eagerly, or, on a CUDA device (``attnmt/backends/cuda.py``), by capturing the
+step (embedding, every layer, the final norm) once per buffer size as a CUDA graph and replaying it: one launch
+per step instead of one per kernel. A step computes the same function either way, and the same one as the
 slot cache's fused attention up to rounding (more masked slots enter the attention's sums, with weight 0).
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
 from attnmt.models.interface import DecoderCache, LayerCache
+from attnmt.models.kernels import EagerSteps, StepRecorder
 
 FIRST_POSITIONS = 16  # positions the self-attention buffers hold at first (doubled when a step needs more)
 COMPACT_FRACTION = 0.125  # drop the finished sentences' rows once the live ones are at most this fraction
-_graph_failure_said = False
-
-
-def _say_graphs_off(err: BaseException) -> None:
-    global _graph_failure_said
-    if not _graph_failure_said:
-        _graph_failure_said = True
-        print(f"attnmt: warning: decoding steps run without CUDA graphs (the capture failed: "
-              f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); translations are the same",
-              file=sys.stderr)
 
 
 class StaticLayerCache(LayerCache):
@@ -95,18 +86,19 @@ class StaticLayerCache(LayerCache):
 class StaticCache(DecoderCache):
     """Fixed-shape decoder state for a beam search of ``beam`` rows per sentence (see the module docstring).
 
-    ``graphs``: on a CUDA device, capture each step as a CUDA graph (once per buffer size) and replay it.
+    ``recorder``: how its steps run (the backend's; None: eagerly), e.g. captured as a CUDA graph once per buffer
+    size and replayed.
     The search drives it as any cache: one token per row and call (the first call may give one row per sentence,
     standing for all of its rows), and ``reorder`` after each step.
     """
 
     runs_decoder = True
 
-    def __init__(self, num_layers: int, beam: int, max_positions: int, graphs: bool = True):
+    def __init__(self, num_layers: int, beam: int, max_positions: int, recorder: StepRecorder | None = None):
         if beam < 2:
             raise ValueError(f"a static cache serves beam search (beam >= 2), got beam {beam}")
         self.beam = beam
-        self.graphs = graphs
+        self.recorder = EagerSteps() if recorder is None else recorder  # how steps run: the backend's
         self.layers: list[LayerCache] = [StaticLayerCache(self) for _ in range(num_layers)]
         self.length = 0
         self.sentences = 0
@@ -122,9 +114,7 @@ class StaticCache(DecoderCache):
         self.memory_mask: Tensor | None = None  # (N, 1, 1, S) True = attend, or None
         self.self_mask: Tensor | None = None  # this step's (N, 1, beam, positions * beam), made inside the step
         self.features: Tensor | None = None  # (R, D) the step's output
-        self._graph = None
-        self._pool = None
-        self._stream = None  # the side stream of the warm-up runs and the captures
+        self._replay: Callable[[], None] | None = None  # the recorded step of the buffers' current sizes
         self.replays = 0  # steps run by replaying a captured graph
 
     # -------------------------------------------------------------------------------- the interface
@@ -175,11 +165,11 @@ class StaticCache(DecoderCache):
         else:
             self.tokens.index_copy_(0, self.live_rows, tokens)
         self.position.fill_(self.length)
-        if self._graph is not None:
-            self._graph.replay()
+        if self._replay is not None:
+            self._replay()
             self.replays += 1
-        else:
-            self._run_uncaptured(decoder, memory)
+        else:  # run the step; the recorder may capture it for the next steps of these sizes
+            self._replay = self.recorder.record(lambda: self._step(decoder, memory))
         self.length += 1
         out = self.features
         if first and tokens.size(0) != out.size(0):
@@ -200,7 +190,6 @@ class StaticCache(DecoderCache):
         self.memory_mask = mask_of(memory_padding)
         for layer, lc in zip(decoder.layers, self.layers):
             lc.cross_k, lc.cross_v = layer.cross_attn.project_kv_for_cache(memory)
-        self.graphs = self.graphs and dev.type == "cuda"
 
     def _compact(self) -> None:
         """Keep only the live sentences' rows (the next step captures the new sizes)."""
@@ -215,7 +204,7 @@ class StaticCache(DecoderCache):
         self.features = None
         self.sentences = keep.numel()
         self.live = self.live_rows = None
-        self._graph = None
+        self._replay = None
 
     def _grow(self, positions: int) -> None:
         for lc in self.layers:
@@ -224,36 +213,7 @@ class StaticCache(DecoderCache):
         grown[:, : self.positions] = self.ancestors
         self.ancestors = grown
         self.positions = positions
-        self._graph = None  # the next step captures the new sizes
-
-    def _run_uncaptured(self, decoder, memory) -> None:
-        """Run the step eagerly; on CUDA, then capture it for the next steps of this buffer size."""
-        if not self.graphs:
-            self._step(decoder, memory)
-            return
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=memory.device)
-        stream = self._stream
-        stream.wait_stream(torch.cuda.current_stream(memory.device))  # after every step queued before
-        with torch.cuda.stream(stream):  # allocations and library handles before the capture, as CUDA graphs need
-            self._step(decoder, memory)
-        torch.cuda.current_stream(memory.device).wait_stream(stream)
-        try:
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            # the capture itself, without torch.cuda.graph's collection and cache emptying at each capture;
-            # thread-local, so that another thread's CUDA work (a service's) does not break it
-            with torch.cuda.stream(stream):
-                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-                try:
-                    self._step(decoder, memory)  # recorded, not run: the step is idempotent, its results stand
-                finally:
-                    graph.capture_end()
-            self._graph = graph
-        except Exception as err:  # a step that cannot be captured runs eagerly, said once
-            self.graphs = False
-            _say_graphs_off(err)
+        self._replay = None  # the next step is recorded at the new sizes
 
     def _step(self, decoder, memory) -> None:
         """One step on the buffers: what the graph holds. Writes ``features``."""

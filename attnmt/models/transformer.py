@@ -771,8 +771,8 @@ class TransformerModel(EncoderDecoderModel):
         With ``beam`` > 1, ``decode`` takes ``beam`` consecutive rows per sentence of ``enc`` (hypotheses of one
         sentence), which share that sentence's encoder output and encoder-decoder keys/values.
         """
-        if kernels.graph_steps and beam > 1:
-            return StaticCache(len(self.decoder.layers), beam, self.cfg.max_target_positions)
+        if kernels.step_graphs is not None and beam > 1:
+            return StaticCache(len(self.decoder.layers), beam, self.cfg.max_target_positions, kernels.step_graphs())
         return SlotCache(len(self.decoder.layers), beam, kernels.row_bucket, kernels.fused_attention,
                          kernels.step_attention)
 

@@ -93,6 +93,7 @@ def test_beam_search_steps_replay_as_cuda_graphs_with_the_same_translations():
     grow), and finds what the same cache run eagerly and the slot cache find (fp32, TF32 off)."""
     import dataclasses
 
+    from attnmt.backends.cuda import CudaGraphSteps
     from attnmt.generation.generator import collate
     from attnmt.generation.search import SearchConfig, Symbols, search
     from attnmt.models.static_cache import StaticCache
@@ -105,7 +106,8 @@ def test_beam_search_steps_replay_as_cuda_graphs_with_the_same_translations():
     sources = [torch.randint(4, 50, (n,), generator=g).tolist() + [2] for n in (3, 17, 5, 9, 4, 12, 1)]
     model = _model(1).eval().to(dev)
     tokens, lengths = collate(sources, 1, dev)
-    kernels = dataclasses.replace(backend_for(dev, "fp32").decoding_kernels(), graph_steps=True)
+    kernels = dataclasses.replace(backend_for(dev, "fp32").decoding_kernels(),
+                                  step_graphs=lambda: CudaGraphSteps(dev))
     caches = []
     new_cache = model.new_cache
 
@@ -119,12 +121,12 @@ def test_beam_search_steps_replay_as_cuda_graphs_with_the_same_translations():
     assert isinstance(caches[0], StaticCache) and caches[0].positions > 16 and replays > 10
     eager_init = StaticCache.__init__
     try:
-        StaticCache.__init__ = lambda self, *a, **kw: eager_init(self, *a, **{**kw, "graphs": False})
+        StaticCache.__init__ = lambda self, n, beam, positions, recorder=None: eager_init(self, n, beam, positions)
         eager = search(model, tokens, lengths, cfg, sym, kernels=kernels)
     finally:
         StaticCache.__init__ = eager_init
     assert caches[1].replays == 0
-    slot = search(model, tokens, lengths, cfg, sym, kernels=dataclasses.replace(kernels, graph_steps=False))
+    slot = search(model, tokens, lengths, cfg, sym, kernels=dataclasses.replace(kernels, step_graphs=None))
     for other in (eager, slot):
         assert [[h.tokens for h in hs] for hs in graphed] == [[h.tokens for h in hs] for hs in other]
         for hs, gs in zip(graphed, other):

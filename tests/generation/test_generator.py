@@ -23,6 +23,7 @@ from attnmt.errors import UserError
 from attnmt.generation.beam import beam_search, greedy_search
 from attnmt.generation.generator import GenerationConfig, Generator, make_batches
 from attnmt.generation.search import SearchConfig, empty_translation, length_penalty
+from attnmt.models.kernels import EagerSteps
 
 WORDS = SENTENCE_WORDS
 
@@ -143,7 +144,7 @@ def test_the_gpus_decoding_kernels_give_the_cpus_translations(ckpt, beam):
     assert cpu.blockwise_topk and cpu.row_bucket is not None
     results = [search(bundle.model, tokens, lengths, gen.search_cfg, bundle.symbols, kernels=k)
                for k in (cpu, gpu, DecodingKernels(), dataclasses.replace(gpu, score_rows=beam),  # 1 sentence a block
-                         dataclasses.replace(gpu, graph_steps=True))]
+                         dataclasses.replace(gpu, step_graphs=EagerSteps))]
     for other in results[1:]:
         assert [[x.tokens for x in h] for h in other] == [[x.tokens for x in h] for h in results[0]]
         for h, g in zip(other, results[0]):
@@ -163,10 +164,11 @@ def test_the_static_cache_grows_drops_sentences_and_gives_the_slot_caches_transl
 
     bundle, gen = _load(ckpt, beam=4, nbest=2, max_len_b=40)
     tokens, lengths = collate(bundle.encode_sources(SENTENCES), bundle.symbols.pad, torch.device("cpu"))
-    assert not CudaBackend(torch.device("cuda")).decoding_kernels().graph_steps  # not yet the default
+    assert CudaBackend(torch.device("cuda")).decoding_kernels().step_graphs is None  # not yet the default
     monkeypatch.setenv("ATTNMT_CUDA_GRAPHS", "1")
     gpu = CudaBackend(torch.device("cuda")).decoding_kernels()
-    assert gpu.graph_steps
+    assert gpu.step_graphs is not None
+    gpu = dataclasses.replace(gpu, step_graphs=EagerSteps)  # no CUDA here: the steps run as they are
     calls = []
     run = StaticCache.run
 
@@ -178,7 +180,7 @@ def test_the_static_cache_grows_drops_sentences_and_gives_the_slot_caches_transl
     monkeypatch.setattr(StaticCache, "run", spy)
     static = search(bundle.model, tokens, lengths, gen.search_cfg, bundle.symbols, kernels=gpu)
     slot = search(bundle.model, tokens, lengths, gen.search_cfg, bundle.symbols,
-                  kernels=dataclasses.replace(gpu, graph_steps=False))
+                  kernels=dataclasses.replace(gpu, step_graphs=None))
     assert len(calls) > 32 and calls[0][0] == 16 and calls[-1][0] > 32  # grown twice at least
     assert len({live for _, live, _ in calls}) > 3  # sentences left at several steps
     assert calls[1][2] == len(SENTENCES) and calls[-1][2] < len(SENTENCES)  # finished sentences' rows dropped

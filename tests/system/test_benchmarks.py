@@ -7,7 +7,7 @@ from pathlib import Path
 
 from helpers import make_checkpoint, make_data_bin, sentence_lines
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_gpu_training_benchmark_runs_on_the_cpu_with_epoch_end_saves(tmp_path):

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnmt import registry
+from attnmt.cli import load_components
 from attnmt.config import make_config
 from attnmt.models.transformer import TransformerConfig, TransformerModel
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("table3", ROOT / "recipes" / "paper_table3" / "table3.py")
 table3 = importlib.util.module_from_spec(spec)
 sys.modules.setdefault("table3", table3)  # dataclasses look their module up there
@@ -23,7 +23,7 @@ spec.loader.exec_module(table3)
 
 def parameters(m, vocab: int = 37000) -> int:
     """The row's model as attnmt train builds it from the row's options."""
-    registry.load_builtins()
+    load_components()
     opts = m.train_options()
     value = {opts[i][2:].replace("-", "_"): opts[i + 1] for i in range(len(opts) - 1)
              if opts[i].startswith("--") and not opts[i + 1].startswith("--")}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SHARED = Path(os.environ.get("ATTNMT_SHARED_DATA", ROOT.parent / "shared" / "data"))
 TINY = "--encoder-layers 1 --decoder-layers 1 --encoder-embed-dim 64 --decoder-embed-dim 64 " \
        "--encoder-ffn-embed-dim 128 --decoder-ffn-embed-dim 128 --max-tokens 1024 --validate-interval-updates 0"
