@@ -46,7 +46,7 @@ def layer_with_cross_attention(layer: DecoderLayer, x: Tensor, memory: Tensor,
         weights.append(w)
         return layer.cross_attn.combine_heads(torch.matmul(w, v))
 
-    x = residual(x, lambda h: layer.self_attn.self_attention(h, is_causal=True), layer.self_attn_norm,
+    x = residual(x, lambda h: layer.self_attn(h, is_causal=True), layer.self_attn_norm,
                  layer.dropout, pre)
     x = residual(x, cross, layer.cross_attn_norm, layer.dropout, pre)
     return residual(x, layer.ffn, layer.ffn_norm, layer.dropout, pre), weights[0]

@@ -19,10 +19,23 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from attnmt.models.kernels import DecodingKernels
+from attnmt.models.paths import AttentionPath, cached_output, heads_for_cache, kv_for_cache
 
 
-class LayerCache(ABC):
-    """One decoder layer's keys and values while decoding step by step."""
+class LayerCache(AttentionPath):
+    """One decoder layer's keys and values while decoding step by step; the path of the layer's attention calls.
+    A cache implements ``self_attention`` and ``cross_attention`` on heads; ``attend`` is the glue to the model's
+    projections (``models/paths.py``)."""
+
+    def attend(self, attn, x, memory, mask, is_causal):
+        """``attn`` from the newest positions ``x`` (R, T, D) under the cache's own masks: self-attention
+        (``memory`` None) stores their keys/values and attends to each row's history; encoder-decoder attention
+        projects ``memory``'s keys/values once per sentence (the cache calls back) and attends to them."""
+        if memory is None:
+            q, k, v = heads_for_cache(attn, *attn.split_qkv(attn.qkv_proj(x)))  # (R, H, T, Dh) each
+            return cached_output(attn, self.self_attention(q, k, v))
+        q = heads_for_cache(attn, attn.split_heads(attn.q_proj(x)))[0]
+        return cached_output(attn, self.cross_attention(q, lambda m: kv_for_cache(attn, m), memory))
 
     @abstractmethod
     def self_attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -39,7 +52,8 @@ class LayerCache(ABC):
 class DecoderCache(ABC):
     """The decoder's state between steps: ``length`` target tokens decoded so far, one :class:`LayerCache` a layer.
 
-    A decoder call runs ``prepare`` once, then each layer with its own ``layers[i]``, then ``advance``.
+    A decoder call runs ``prepare`` once, then each layer with its own ``layers[i]`` (the path of its attention),
+    then the final layer norm, then ``advance``.
     """
 
     length: int

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from attnmt.models.interface import DecoderCache, LayerCache
 from attnmt.models.kernels import EagerSteps, StepRecorder
+from attnmt.models.paths import kv_for_cache
 
 FIRST_POSITIONS = 16  # positions the self-attention buffers hold at first (doubled when a step needs more)
 COMPACT_FRACTION = 0.125  # drop the finished sentences' rows once the live ones are at most this fraction
@@ -189,7 +190,7 @@ class StaticCache(DecoderCache):
         self.own = torch.arange(self.beam, dtype=torch.int32, device=dev).repeat(B)[:, None]
         self.memory_mask = mask_of(memory_padding)
         for layer, lc in zip(decoder.layers, self.layers):
-            lc.cross_k, lc.cross_v = layer.cross_attn.project_kv_for_cache(memory)
+            lc.cross_k, lc.cross_v = kv_for_cache(layer.cross_attn, memory)
 
     def _compact(self) -> None:
         """Keep only the live sentences' rows (the next step captures the new sizes)."""

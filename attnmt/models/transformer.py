@@ -21,9 +21,9 @@ Conventions. Tensors are batch-first: B sentences, S source tokens, T target tok
 Dh = D / H (d_k = d_v; ``attention_key_dim`` sets a d_k of its own), V vocabulary. Batches are right-padded with
 ``pad_idx``; a token's position is its index among the real tokens of its sentence, so a sentence's outputs do
 not depend on how much padding its batch needed.
-In teacher forcing the decoder may hold its states as the (N, D) rows of the N real target positions instead of
-(B, T, D): the position-wise layers take either, and attention takes the packed rows' ``PackedRows``
-(``models/packing.py``) to lay its heads out on the (B, T) grid.
+What runs the same formulas faster (a decoder cache while decoding step by step, the decoder's real positions as
+packed rows in teacher forcing, a backend's attention kernel) lives outside this file: ``models/paths.py`` says
+how a call runs its attention (``path``), ``models/caches.py`` which cache the backend's ``DecodingKernels`` choose.
 Residual blocks are post-norm as in the paper, ``LayerNorm(x + Dropout(Sublayer(x)))``; pre-norm
 (``x + Dropout(Sublayer(LayerNorm(x)))`` plus a final LayerNorm per stack) is an option. So are what imported
 models differ in (``interop/huggingface.py``), their defaults the paper's: the sinusoids' layout
@@ -41,15 +41,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from attnmt.errors import UserError
+from attnmt.models.caches import decoder_cache, pool_cache
 from attnmt.models.dropout import Dropout
 from attnmt.models.dropout import dropout as dropout_weights
-from attnmt.models.incremental import SlotCache
-from attnmt.models.interface import DecoderCache, EncoderDecoderModel, LayerCache
-from attnmt.models.kernels import DecodingKernels, TrainingAttention
+from attnmt.models.interface import DecoderCache, EncoderDecoderModel
+from attnmt.models.kernels import DecodingKernels
 from attnmt.models.linear import Linear
-from attnmt.models.packing import PackedRows, RowPacking, SentenceRows, is_prefix
-from attnmt.models.pool import PoolCache
-from attnmt.models.static_cache import StaticCache
+from attnmt.models.packing import RowPacking
+from attnmt.models.paths import AttentionPath, TeacherForcing
 from attnmt.models.tuning import AttentionKernel, DropoutKernel
 from attnmt.registry import register
 
@@ -293,14 +292,14 @@ def key_padding_mask(padding_mask: Tensor, always: bool = False) -> Tensor | Non
 class MultiHeadAttention(AttentionKernel, DropoutKernel, nn.Module):
     """Multi-head attention (3.2.2) over scaled dot-product attention (3.2.1).
 
-    ``softmax(Q K^T / sqrt(d_k)) V`` is ``F.scaled_dot_product_attention``, which picks a fused kernel and applies
-    attention dropout (``dropout_p``) to the weights in training. Self-attention projects Q, K and V with one
-    fused (D -> 3D) matmul (D -> 2 H d_k + D with a ``key_dim`` d_k of its own); encoder-decoder attention
-    projects the query from the decoder and K, V (one fused matmul) from the encoder output, which the decoder
-    computes once per sentence when decoding step by step.
-    Sequences up to ``plain_attention_max_len`` (set by the backend: ``AttentionKernel``) run the same formula as
-    :func:`plain_attention` instead, faster than SDPA's kernels for short sentences on the CPU; without dropout, a
-    backend's kernel (``fused_attention``) may compute it from the projections' outputs as they lie.
+    ``MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O`` with ``head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V)``.
+    Self-attention projects Q, K and V with one fused (D -> 3D) matmul (D -> 2 H d_k + D with a ``key_dim`` d_k of
+    its own); encoder-decoder attention projects the query from the decoder and K, V (one fused matmul) from the
+    encoder output. ``Attention`` is ``F.scaled_dot_product_attention``, which picks a fused kernel and applies
+    attention dropout to the weights in training, or the same formula as :func:`plain_attention` for sequences up
+    to ``plain_attention_max_len`` (the backend's choice: ``AttentionKernel``; faster for short sentences on a CPU).
+    A call may run another way, with the same numbers (``path``, ``models/paths.py``): through a decoder cache, on
+    packed rows, or through the backend's kernel.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, dropout: float, kv_dim: int | None = None,
@@ -327,131 +326,52 @@ class MultiHeadAttention(AttentionKernel, DropoutKernel, nn.Module):
             nn.init.zeros_(proj.bias)
         self.out_proj = linear(embed_dim, embed_dim)  # W^O
 
-    def _split_heads(self, x: Tensor) -> Tensor:  # (B, T, H * Dh) -> (B, H, T, Dh)
+    def forward(self, x: Tensor, memory: Tensor | None = None, mask: Tensor | None = None, is_causal: bool = False,
+                path: AttentionPath | None = None) -> Tensor:
+        """Attention from ``x`` (B, T, D) to ``memory`` (B, S, D_enc), or to ``x`` itself (self-attention) where
+        ``memory`` is None; ``mask`` (broadcastable to (B, H, T, S), True = attend) or ``is_causal``. (B, T, D)."""
+        path = path or self.default_path
+        if path is not None:
+            return path.attend(self, x, memory, mask, is_causal)
+        if memory is None:
+            q, k, v = self.split_qkv(self.qkv_proj(x))  # (B, H, T, d_k) twice, (B, H, T, d_v)
+        else:
+            q, (k, v) = self.project_q(x), self.project_kv(memory)
+        return self.combine_heads(self.scaled_dot_product(q, k, v, mask, is_causal))
+
+    def split_heads(self, x: Tensor) -> Tensor:  # (B, T, H * Dh) -> (B, H, T, Dh)
         B, T, _ = x.shape
         return x.view(B, T, self.num_heads, -1).transpose(1, 2)
 
-    def _qkv_heads(self, qkv: Tensor, rows: PackedRows | None) -> tuple[Tensor, Tensor, Tensor]:
-        if rows is not None:
-            if self.key_dim == self.head_dim:
-                return rows.split_heads(qkv, 3, self.num_heads)
-            return tuple(rows.split_heads(part, 1, self.num_heads)[0] for part in qkv.split(self.widths, dim=-1))
-        q, k, v = qkv.split(self.widths, dim=-1)  # (B, T, H * d_k) twice, (B, T, H * d_v)
-        return self._split_heads(q), self._split_heads(k), self._split_heads(v)
+    def split_qkv(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The self-attention projection's output (B, T, 2 H d_k + H d_v) as Q, K, V heads."""
+        q, k, v = qkv.split(self.widths, dim=-1)
+        return self.split_heads(q), self.split_heads(k), self.split_heads(v)
 
-    def _kv_heads(self, kv: Tensor) -> tuple[Tensor, Tensor]:
+    def split_kv(self, kv: Tensor) -> tuple[Tensor, Tensor]:
+        """The encoder-decoder projection's output (B, S, H d_k + H d_v) as K, V heads."""
         k, v = kv.split(self.widths[1:], dim=-1)
-        return self._split_heads(k).contiguous(), self._split_heads(v).contiguous()
-
-    def project_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Self-attention: Q, K, V from the same (B, T, D) input, each (B, H, T, d_k or d_v)."""
-        return self._qkv_heads(self.qkv_proj(x), None)
+        return self.split_heads(k).contiguous(), self.split_heads(v).contiguous()
 
     def project_q(self, x: Tensor) -> Tensor:
-        return self._split_heads(self.q_proj(x))  # (B, H, T, d_k)
+        return self.split_heads(self.q_proj(x))  # (B, H, T, d_k)
 
     def project_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
         """Encoder-decoder attention: K, V from the encoder output (B, S, D_enc), (B, H, S, d_k) and (.., d_v)."""
-        return self._kv_heads(self.kv_proj(memory))
+        return self.split_kv(self.kv_proj(memory))
 
-    # A decoder cache holds queries, keys and values of one head size. Where d_k differs from d_v, the heads go to
-    # it zero-padded to the larger of the two, the queries scaled by sqrt(that / d_k): the padding adds nothing to
-    # Q K^T or to the values, and the cache's 1/sqrt(head size) becomes the model's 1/sqrt(d_k).
-
-    def for_cache(self, q: Tensor | None = None, k: Tensor | None = None,
-                  v: Tensor | None = None) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-        """Heads (.., T, d_k or d_v) as a decoder cache holds them (None stays None)."""
-        if self.key_dim == self.head_dim:
-            return q, k, v
-        size = max(self.key_dim, self.head_dim)
-
-        def pad(x: Tensor | None) -> Tensor | None:
-            return x if x is None or x.size(-1) == size else F.pad(x, (0, size - x.size(-1)))
-
-        if q is not None and self.key_dim < size:
-            q = pad(q) * math.sqrt(size / self.key_dim)
-        return q, pad(k), pad(v)
-
-    def project_kv_for_cache(self, memory: Tensor) -> tuple[Tensor, Tensor]:
-        _, k, v = self.for_cache(None, *self.project_kv(memory))
-        return k, v
-
-    def combine_cached(self, out: Tensor) -> Tensor:
-        """W^O of a cache's attention output (R, T, H * cache head size)."""
-        if self.head_dim < self.key_dim:
-            R, T, _ = out.shape
-            out = out.view(R, T, self.num_heads, self.key_dim)[..., : self.head_dim].reshape(R, T, -1)
-        return self.out_proj(out)
-
-    def combine_heads(self, out: Tensor, rows: PackedRows | None = None) -> Tensor:
-        """Concat(head_1..head_h) W^O: (B, H, T, Dh) -> (B, T, D), or (N, D) for packed ``rows``."""
-        if rows is not None:
-            return self.out_proj(rows.merge_heads(out))
-        B, H, T, Dh = out.shape
-        return self.out_proj(out.transpose(1, 2).reshape(B, T, H * Dh))
-
-    def self_attention(self, x: Tensor, mask: Tensor | None = None, is_causal: bool = False,
-                       rows: PackedRows | None = None) -> Tensor:
-        """Self-attention of ``x`` (B, T, D), or of its packed ``rows`` (N, D), without a cache; shaped as x."""
-        qkv = self.qkv_proj(x)
-        length = x.size(1) if rows is None else rows.length
-        kernel = self._kernel(length, length)
-        if kernel is not None:
-            queries = rows.sentences if rows is not None else SentenceRows.grid(x.size(0), length, x.device)
-            out = self._attend_rows(kernel, x, qkv, None, queries, queries, mask, is_causal)
-            if out is not None:
-                return out
-        return self.attend(*self._qkv_heads(qkv, rows), mask=mask, is_causal=is_causal, rows=rows)
-
-    def cross_attention(self, x: Tensor, memory: Tensor, mask: Tensor | None,
-                        rows: PackedRows | None = None) -> Tensor:
-        """Encoder-decoder attention from ``x`` (B, T, D), or its packed ``rows`` (N, D), to ``memory`` (B, S,
-        D_enc) without a cache; shaped as x."""
-        q, kv = self.q_proj(x), self.kv_proj(memory)
-        B, S, _ = memory.shape
-        kernel = self._kernel(x.size(1) if rows is None else rows.length, S)
-        if kernel is not None:
-            queries = rows.sentences if rows is not None else SentenceRows.grid(B, x.size(1), x.device)
-            out = self._attend_rows(kernel, x, q, kv, queries, SentenceRows.grid(B, S, memory.device), mask, False)
-            if out is not None:
-                return out
-        q = rows.split_heads(q, 1, self.num_heads)[0] if rows is not None else self._split_heads(q)
-        return self.attend(q, *self._kv_heads(kv), mask=mask, rows=rows)
-
-    def _attend_rows(self, kernel: TrainingAttention, x: Tensor, q: Tensor, kv: Tensor | None,
-                     queries: SentenceRows, keys: SentenceRows, mask: Tensor | None,
-                     is_causal: bool) -> Tensor | None:
-        """W^O of the kernel's heads, read and written where the projections put them (``q``, ``kv`` as they came
-        from them); shaped as ``x``. None where the kernel does not take these operands."""
-        q = q.reshape(-1, q.size(-1))
-        kv = None if kv is None else kv.reshape(-1, kv.size(-1))
-        if not kernel.supports(q, kv, self.num_heads, keys, mask):
-            return None
-        out = kernel.attend(q, kv, self.num_heads, queries, keys, mask, is_causal)
-        return self.out_proj(out.view(*x.shape[:-1], out.size(-1)))
-
-    def _kernel(self, queries: int, keys: int) -> TrainingAttention | None:
-        """The backend's attention kernel where the plain form would run without dropout, else None."""
-        dropout_p = self.dropout if self.training else 0.0
-        if dropout_p == 0.0 and self.key_dim == self.head_dim and self.use_plain_attention(queries, keys):
-            return self.fused_attention
-        return None
-
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, is_causal: bool = False,
-               rows: PackedRows | None = None) -> Tensor:
-        """Concat(head_1..head_h) W^O with head_i = Attention(Q_i, K_i, V_i), by PyTorch's operations. Returns
-        (B, T, D), or (N, D) for the queries' packed ``rows``."""
+    def scaled_dot_product(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
+                           is_causal: bool = False) -> Tensor:
+        """head_i = Attention(Q_i, K_i, V_i) of every head (B, H, T, Dh), dropout on the weights in training."""
         dropout_p = self.dropout if self.training else 0.0
         if self.use_plain_attention(q.size(-2), k.size(-2)) and (mask is None or mask.dtype == torch.bool):
-            out = plain_attention(q, k, v, mask, is_causal, dropout_p, self.random_bit_dropout)  # (B, H, T, Dh)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
-                                                 dropout_p=dropout_p)  # (B, H, T, Dh)
-        return self.combine_heads(out, rows)  # (B, T, D) or (N, D)
+            return plain_attention(q, k, v, mask, is_causal, dropout_p, self.random_bit_dropout)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, dropout_p=dropout_p)
 
-    def forward(self, x: Tensor, mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
-        """Self-attention of ``x`` (B, T, D) without a cache."""
-        return self.self_attention(x, mask, is_causal)
+    def combine_heads(self, out: Tensor) -> Tensor:
+        """Concat(head_1..head_h) W^O: (B, H, T, Dh) -> (B, T, D)."""
+        B, H, T, Dh = out.shape
+        return self.out_proj(out.transpose(1, 2).reshape(B, T, H * Dh))
 
 
 def plain_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
@@ -567,33 +487,16 @@ class DecoderLayer(nn.Module):
         self.ffn_norm = nn.LayerNorm(d)
         self.dropout = Dropout(cfg.dropout)
 
-    def _self_attention(self, h: Tensor, cache: LayerCache | None, start: int, rows: PackedRows | None) -> Tensor:
-        """3.2.3: each position attends to itself and earlier positions only."""
-        if cache is None:  # teacher forcing: the whole target at once under a causal mask
-            return self.self_attn.self_attention(h, is_causal=True, rows=rows)
-        # the cache stores k, v after the ``start`` positions so far and attends under its causal/beam mask
-        q, k, v = self.self_attn.for_cache(*self.self_attn.project_qkv(h))  # (B, H, T, Dh) each
-        return self.self_attn.combine_cached(cache.self_attention(q, k, v))
-
-    def _cross_attention(self, h: Tensor, memory: Tensor, memory_mask: Tensor | None,
-                         cache: LayerCache | None, rows: PackedRows | None) -> Tensor:
-        """3.2.3: queries from the decoder, keys and values from the encoder output (padding masked)."""
-        if cache is None:
-            return self.cross_attn.cross_attention(h, memory, memory_mask, rows)
-        attn = self.cross_attn
-        q = attn.for_cache(attn.project_q(h))[0]  # (B, H, T, Dh); keys/values projected once per sentence
-        return attn.combine_cached(cache.cross_attention(q, attn.project_kv_for_cache, memory))
-
-    def forward(self, x: Tensor, memory: Tensor, memory_mask: Tensor | None, cache: LayerCache | None = None,
-                start: int = 0, rows: PackedRows | None = None) -> Tensor:
-        """x (B, T, D), or the (N, D) packed ``rows`` of teacher forcing; memory (B, S, D_enc)."""
+    def forward(self, x: Tensor, memory: Tensor, memory_mask: Tensor | None,
+                path: AttentionPath | None = None) -> Tensor:
+        """x (B, T, D); memory (B, S, D_enc). 3.2.3: each position attends to itself and earlier positions, then
+        to the encoder output (padding masked)."""
         pre = self.normalize_before
-        x = residual(x, lambda h: self._self_attention(h, cache, start, rows), self.self_attn_norm, self.dropout,
+        x = residual(x, lambda h: self.self_attn(h, is_causal=True, path=path), self.self_attn_norm, self.dropout,
                      pre)
-        x = residual(x, lambda h: self._cross_attention(h, memory, memory_mask, cache, rows), self.cross_attn_norm,
+        x = residual(x, lambda h: self.cross_attn(h, memory, memory_mask, path=path), self.cross_attn_norm,
                      self.dropout, pre)
         return residual(x, self.ffn, self.ffn_norm, self.dropout, pre)  # like x
-
 
 
 class TransformerEncoder(nn.Module):
@@ -635,38 +538,24 @@ class TransformerDecoder(RowPacking, nn.Module):
         """Logits (B, T, V), or (N, V) for the N positions where ``output_mask`` (B, T) is True; with
         ``features_only``, the last layer's output (B, T, D) or (N, D) before the output projection.
 
-        Teacher forcing with an ``output_mask`` that keeps a prefix of each sentence (the targets' padding on the
-        right) runs the layers on the kept positions only (``models/packing.py``) where the backend chose packed
-        rows (``RowPacking``): the same outputs, without computing the padding."""
-        if cache is not None and cache.runs_decoder:  # fixed shapes, a step replayed as one CUDA graph
-            x = cache.run(self, prev_output_tokens, enc.out, enc.padding_mask, key_padding_mask)
-            return x if features_only else self.output_projection(x)
-        start = 0 if cache is None else cache.length
-        x = self.embed(prev_output_tokens, start)  # (B, T, D)
-        rows = None
-        if cache is None:
-            memory_mask = key_padding_mask(enc.padding_mask, self.always_mask)  # (B, 1, 1, S) or None
-            if (output_mask is not None and self.pack_rows and not bool(output_mask.all())
-                    and is_prefix(output_mask)):
-                rows = PackedRows(output_mask)
-                x = rows.pack(x)  # (N, D)
-        else:  # the cache's masks; x padded to the backend's row bucket
-            x, memory_mask = cache.prepare(x, enc.out, enc.padding_mask, key_padding_mask)
-        layer_caches = [None] * len(self.layers) if cache is None else cache.layers
-        for layer, layer_cache in zip(self.layers, layer_caches):
-            x = layer(x, enc.out, memory_mask, layer_cache, start, rows)
-        if cache is not None:
-            x = cache.advance(x, prev_output_tokens.size(1), prev_output_tokens.size(0))
-        if self.final_norm is not None:
-            x = self.final_norm(x)
-        if output_mask is not None and rows is None:  # (N, D): padding never reaches the (large) output projection
-            x = x.reshape(-1, x.size(-1))
-            if not bool(output_mask.all()):
-                x = x.index_select(0, output_mask.reshape(-1).nonzero().squeeze(1))  # = x[output_mask], faster
+        Without ``cache``, the whole target at once (teacher forcing); with it, the newest token(s) after the
+        ``cache.length`` decoded so far, whose keys/values the cache keeps (``models/paths.py`` says how either runs
+        its layers: ``prepare``, each layer with its own attention path, ``advance``)."""
+        run = cache if cache is not None else TeacherForcing(len(self.layers), output_mask, self.pack_rows,
+                                                             self.always_mask)
+        if run.runs_decoder:  # the backend's recorded step (one CUDA graph) on fixed buffers
+            x = run.run(self, prev_output_tokens, enc.out, enc.padding_mask, key_padding_mask)
+        else:
+            x = self.embed(prev_output_tokens, run.length)  # (B, T, D)
+            x, memory_mask = run.prepare(x, enc.out, enc.padding_mask, key_padding_mask)
+            for layer, path in zip(self.layers, run.layers):
+                x = layer(x, enc.out, memory_mask, path)
+            if self.final_norm is not None:
+                x = self.final_norm(x)
+            x = run.advance(x, prev_output_tokens.size(1), prev_output_tokens.size(0))
         if features_only:
             return x
         return self.output_projection(x)  # (B, T, V) or (N, V)
-
 
 
 # --------------------------------------------------------------------------------------------- the model
@@ -682,10 +571,6 @@ class TransformerModel(EncoderDecoderModel):
             if not joint_vocab or src_vocab != tgt_vocab:
                 raise UserError("--share-all-embeddings needs a joined dictionary (preprocess --joined-dictionary); "
                                 "re-run preprocess with --joined-dictionary or train with --no-share-all-embeddings")
-            if cfg.encoder_embed_dim != cfg.decoder_embed_dim:
-                raise UserError(f"--share-all-embeddings needs --encoder-embed-dim == --decoder-embed-dim, got "
-                                f"{cfg.encoder_embed_dim} and {cfg.decoder_embed_dim}; make them equal or pass "
-                                f"--no-share-all-embeddings")
         self.cfg = cfg
         self.pad_idx = pad_idx
         self.src_vocab, self.tgt_vocab = src_vocab, tgt_vocab
@@ -766,22 +651,18 @@ class TransformerModel(EncoderDecoderModel):
 
     def new_cache(self, beam: int = 1, kernels: DecodingKernels = DecodingKernels()) -> DecoderCache:
         """An empty cache for ``decode``; ``beam``: decoder rows per sentence of the encoder output; ``kernels``:
-        the backend's row padding (e.g. few shapes for oneDNN) and attention form (fused on a GPU).
+        the backend's choice of cache and attention form (``models/caches.py``).
 
         With ``beam`` > 1, ``decode`` takes ``beam`` consecutive rows per sentence of ``enc`` (hypotheses of one
         sentence), which share that sentence's encoder output and encoder-decoder keys/values.
         """
-        if kernels.step_graphs is not None and beam > 1:
-            return StaticCache(len(self.decoder.layers), beam, self.cfg.max_target_positions, kernels.step_graphs())
-        return SlotCache(len(self.decoder.layers), beam, kernels.row_bucket, kernels.fused_attention,
-                         kernels.step_attention)
+        return decoder_cache(len(self.decoder.layers), beam, self.cfg.max_target_positions, kernels)
 
     def new_pool_cache(self, beam: int, kernels: DecodingKernels = DecodingKernels(),
-                       device: torch.device | str = "cpu") -> PoolCache:
+                       device: torch.device | str = "cpu") -> DecoderCache:
         """An empty cache of sentence places for continuous batching (``attnmt.generation.continuous``):
         sentences join and leave it between calls, each decoded at its own position, ``beam`` rows each."""
-        return PoolCache(len(self.decoder.layers), beam, kernels.row_bucket, kernels.fused_attention,
-                         kernels.step_attention, device)
+        return pool_cache(len(self.decoder.layers), beam, kernels, device)
 
     @staticmethod
     def reorder(enc: EncoderOut, cache: DecoderCache | None, new_order: Tensor,

@@ -21,6 +21,7 @@ from __future__ import annotations
 from torch import nn
 
 from attnmt.models.kernels import DropoutMasks, TrainingAttention
+from attnmt.models.paths import AttentionPath, RowsPath
 
 
 class AttentionKernel:
@@ -29,6 +30,7 @@ class AttentionKernel:
 
     plain_attention_max_len: int = 0
     fused_attention: TrainingAttention | None = None  # computes the plain form where it supports the operands
+    default_path: AttentionPath | None = None  # how calls without a path of their own run (the kernel's)
 
     def use_plain_attention(self, queries: int, keys: int) -> bool:
         return max(queries, keys) <= self.plain_attention_max_len
@@ -46,6 +48,7 @@ def set_fused_attention(model: nn.Module, kernel: TrainingAttention | None) -> N
     for m in model.modules():
         if isinstance(m, AttentionKernel):
             m.fused_attention = kernel
+            m.default_path = None if kernel is None else RowsPath()
 
 
 class DropoutKernel:
