@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from attnmt.backends.precision import autocast_dtype, without_autocast
 from attnmt.models.interface import unwrap
 from attnmt.models.kernels import LossKernel, Projection
 from attnmt.registry import register
@@ -199,7 +200,7 @@ class _ProjectedSmoothedNLL(torch.autograd.Function):
         if dtype != torch.float32:
             projection = None  # the backend's product is for fp32 (CPUs where oneDNN outruns MKL)
         wct = wc.t().contiguous() if projection is not None and need_grad else None
-        with torch.autocast(h.device.type, enabled=False):
+        with without_autocast(h):
             for i in range(0, n, step):
                 rows = slice(i, min(i + step, n))
                 if projection is not None:
@@ -231,7 +232,7 @@ class _ProjectedSmoothedNLL(torch.autograd.Function):
         h_dtype, w_dtype = ctx.dtypes
         scale = _incoming(grad_loss, grad_nll, torch.float32)  # a tensor: reading it would wait for the device
         d_h = d_w = None
-        with torch.autocast(hc.device.type, enabled=False):
+        with without_autocast(hc):
             if ctx.needs_input_grad[0]:
                 d_h = grad_h.float().mul_(scale)
             if ctx.needs_input_grad[1]:
@@ -303,8 +304,7 @@ def projected_smoothed_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targ
     """(loss sum, NLL sum) of the logits ``h @ weight.T`` for features ``h`` (N, D), projection ``weight`` (V, D)
     and ``target`` (N,) (no padding rows), without materializing the (N, V) logits: see
     :class:`_ProjectedSmoothedNLL`. Under autocast the products run in the autocast dtype."""
-    device = h.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
+    dtype = autocast_dtype(h) or h.dtype
     return _ProjectedSmoothedNLL.apply(h, weight, target, float(epsilon), dtype, block_elements, projection, kernel)
 
 

@@ -11,6 +11,7 @@ from torch import nn
 
 from attnmt.models.kernels import DecodingKernels
 from attnmt.models.linear import Linear
+from attnmt.models.transformer import InputEmbedding
 
 Mode = Literal["train", "generate"]
 
@@ -22,6 +23,25 @@ def swap_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module], kinds
     for parent, name, child in targets:
         setattr(parent, name, make(child))
     return len(targets)
+
+
+class AutocastStream(nn.Module):
+    """The embeddings' output in the autocast dtype while autocast is on: the whole residual stream stays in the
+    low-precision dtype (as in fairseq --bf16). Every matmul runs in it anyway, LayerNorm on bf16 input computes
+    its statistics in fp32 and returns bf16, and an fp32 stream would cost a conversion before and after every
+    sub-layer. Outside autocast (fp32, or a model cast to bf16 for translation) it passes the input through."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        device = x.device.type
+        return x.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else x
+
+
+def stream_in_autocast_dtype(model: nn.Module) -> int:
+    """Give every input embedding of ``model`` an :class:`AutocastStream`, in place; returns how many."""
+    found = [m for m in model.modules() if isinstance(m, InputEmbedding)]
+    for m in found:
+        m.stream = AutocastStream()
+    return len(found)
 
 
 def refuse_compile(compile: bool, device: torch.device) -> None:
@@ -88,6 +108,7 @@ class Backend:
         "auto", "math" (plain matmul-softmax-matmul) or "flash" (fused kernels); ``compile``: compile the layers
         (``--compile``, where the backend does)."""
         refuse_compile(compile, self.device)
+        stream_in_autocast_dtype(model)
         return model
 
     def prepare_criterion(self, criterion) -> None:

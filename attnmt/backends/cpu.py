@@ -57,7 +57,7 @@ from torch import Tensor, nn
 
 from attnmt import settings
 from attnmt.backends import capabilities
-from attnmt.backends.base import Backend, DecodingKernels, Mode, refuse_compile, swap_linears
+from attnmt.backends.base import Backend, DecodingKernels, Mode, refuse_compile, stream_in_autocast_dtype, swap_linears
 from attnmt.backends.onednn import quantize_u8_affine
 from attnmt.errors import UserError
 from attnmt.models.linear import Linear
@@ -193,6 +193,7 @@ class CpuBackend(Backend):
 
     def prepare_training(self, model: nn.Module, attention: str = "auto", compile: bool = False) -> nn.Module:
         refuse_compile(compile, self.device)
+        stream_in_autocast_dtype(model)
         limits = {"auto": PLAIN_ATTENTION_MAX_LEN, "math": 1 << 30, "flash": 0}
         if attention not in limits:
             raise ValueError(f"unknown attention choice {attention!r}: use auto, math or flash")

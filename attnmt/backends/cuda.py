@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnmt import settings
-from attnmt.backends.base import Backend, HostStaging, Mode
+from attnmt.backends.base import Backend, HostStaging, Mode, stream_in_autocast_dtype
 from attnmt.errors import UserError
 from attnmt.models.kernels import DecodingKernels, StepRecorder
 from attnmt.models.packing import set_row_packing
@@ -153,6 +153,7 @@ class CudaBackend(Backend):
     process_unit = "GPU"
 
     def prepare_training(self, model: nn.Module, attention: str = "auto", compile: bool = False) -> nn.Module:
+        stream_in_autocast_dtype(model)
         set_plain_attention_max_len(model, 0)  # SDPA's flash/memory-efficient kernels
         set_row_packing(model, False)
         if self.autocast_dtype is not None:

@@ -34,3 +34,13 @@ def training_device(local_rank: int, cpu: bool) -> torch.device:
         raise UserError(f"LOCAL_RANK {local_rank}, but this machine shows {n} GPU(s); start at most {n} "
                         f"processes per node (--nproc-per-node {n}), or add --cpu")
     return torch.device("cuda", local_rank)
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """A CUDA out-of-memory error, or the CPU allocator's equivalent."""
+    oom_types = tuple(t for t in (getattr(torch, "OutOfMemoryError", None),
+                                  getattr(torch.cuda, "OutOfMemoryError", None)) if t is not None)
+    if oom_types and isinstance(e, oom_types):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)

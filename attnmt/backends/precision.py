@@ -24,6 +24,17 @@ Precision = Literal["auto", "fp32", "bf16", "fp16"]
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
 
+def autocast_dtype(t: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast computes in on ``t``'s device, or None where autocast is off there."""
+    device = t.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
+def without_autocast(t: torch.Tensor) -> torch.autocast:
+    """A context in which autocast is off on ``t``'s device (products in the dtypes given)."""
+    return torch.autocast(t.device.type, enabled=False)
+
+
 def requested_precision(precision: str, bf16: bool = False, fp16: bool = False) -> str:
     """``--precision`` combined with the fairseq spellings ``--bf16``/``--fp16`` (which win over the default)."""
     if bf16 and fp16:

@@ -237,6 +237,7 @@ class InputEmbedding(nn.Module):
         self.scale = math.sqrt(tokens.embedding_dim) if scale else 1.0
         self.dropout = Dropout(dropout)
         self.pad_idx = pad_idx
+        self.stream = nn.Identity()  # the residual stream's dtype: the backend's to set (training under autocast)
 
     def forward(self, tokens: Tensor, start: int | Tensor = 0) -> Tensor:  # tokens (B, T)
         """``start``: the position of the first token, or (B, 1), each row's (continuous batching)."""
@@ -247,12 +248,7 @@ class InputEmbedding(nn.Module):
             keep = torch.rand(tokens.shape, device=tokens.device) >= self.word_dropout  # (B, T)
             x = x * (keep.unsqueeze(-1).to(x.dtype) / (1.0 - self.word_dropout))
         x = x + self.positions(pos, longest + tokens.size(1))  # (B, T, D)
-        if torch.is_autocast_enabled(x.device.type):
-            # Under autocast the whole residual stream stays in the low-precision dtype (as in fairseq --bf16):
-            # every matmul runs in it anyway, LayerNorm on bf16 input computes its statistics in fp32 and
-            # returns bf16, and an fp32 stream would cost a conversion before and after every sub-layer.
-            x = x.to(torch.get_autocast_dtype(x.device.type))
-        return self.dropout(x)
+        return self.dropout(self.stream(x))
 
 
 def token_embedding(num_embeddings: int, dim: int, pad_idx: int) -> nn.Embedding:

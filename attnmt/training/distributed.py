@@ -404,16 +404,6 @@ class Preemption:
         self._old.clear()
 
 
-def is_out_of_memory(e: BaseException) -> bool:
-    """A CUDA out-of-memory error, or the CPU allocator's equivalent."""
-    oom_types = tuple(t for t in (getattr(torch, "OutOfMemoryError", None),
-                                  getattr(torch.cuda, "OutOfMemoryError", None)) if t is not None)
-    if oom_types and isinstance(e, oom_types):
-        return True
-    text = str(e)
-    return isinstance(e, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
-
-
 def oom_message(sample: dict | None, update: int, device: torch.device) -> str:
     """Which batch did not fit, and what to lower (one line)."""
     if sample is not None:

@@ -30,6 +30,7 @@ import contextlib
 import torch
 
 from attnmt.backends import Backend
+from attnmt.backends.devices import is_out_of_memory
 from attnmt.data.pairs import move_to
 from attnmt.errors import UserError
 from attnmt.training import distributed
@@ -145,7 +146,7 @@ class Trainer:
                     loss_sum += log["loss"]
                     nll_sum += log["nll_loss"]
         except Exception as e:
-            if not distributed.is_out_of_memory(e):
+            if not is_out_of_memory(e):
                 raise
             message = distributed.oom_message(sample, self.num_updates + 1, self.device)
             if not agreed:  # the others are (or will be) waiting in check_peers: tell them, then stop together

@@ -24,7 +24,10 @@ def test_output_mask_selects_rows_of_the_full_logits():
 
 @pytest.mark.precision
 def test_bf16_autocast_keeps_the_residual_stream_in_bf16_and_close_to_fp32():
+    from attnmt.backends.base import stream_in_autocast_dtype
+
     model = small_model().eval()
+    assert stream_in_autocast_dtype(model) == 2  # the encoder's and the decoder's embeddings, as training prepares
     b = small_batch()
     net = b["net_input"]
     seen = []
