@@ -12,7 +12,6 @@ Several processes: under ``torchrun`` each worker reads RANK, WORLD_SIZE and LOC
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 from pathlib import Path
 
@@ -119,15 +118,7 @@ def _callback(data_bin: str, arch: str | None, **params) -> None:
 
     train_cfg = cfg("train", "attnmt train")
     dist_cfg = cfg("distributed", "attnmt train")
-    if dist_cfg.distributed_port > 0:
-        os.environ.update(distributed.slurm_environ(dist_cfg.distributed_port))
-    if dist_cfg.local_rank is not None and "WORLD_SIZE" in os.environ:
-        os.environ.setdefault("LOCAL_RANK", str(dist_cfg.local_rank))
-    env = distributed.Env.from_environ()
-    if dist_cfg.nproc_per_node and "WORLD_SIZE" in os.environ:
-        raise UserError(f"--nproc-per-node starts the training processes itself, but this process is already one "
-                        f"of {env.world_size} started by a launcher (WORLD_SIZE is set); remove --nproc-per-node, or "
-                        f"run attnmt train without torchrun")
+    env = distributed.job_environment(dist_cfg)
     if dist_cfg.nproc_per_node > 1:
         code = distributed.launch(dist_cfg.nproc_per_node, _worker_argv(), Path(train_cfg.save_dir))
         if code:

@@ -132,6 +132,22 @@ class Env:
         return env
 
 
+def job_environment(cfg: DistributedConfig) -> Env:
+    """This process's place in the job: ``--distributed-port`` (an srun task) and ``--local-rank`` (the old
+    launcher) written into the environment as torchrun's variables, then read back; refuses ``--nproc-per-node``
+    inside a process a launcher started."""
+    if cfg.distributed_port > 0:
+        os.environ.update(slurm_environ(cfg.distributed_port))
+    if cfg.local_rank is not None and "WORLD_SIZE" in os.environ:
+        os.environ.setdefault("LOCAL_RANK", str(cfg.local_rank))
+    env = Env.from_environ()
+    if cfg.nproc_per_node and "WORLD_SIZE" in os.environ:
+        raise UserError(f"--nproc-per-node starts the training processes itself, but this process is already one "
+                        f"of {env.world_size} started by a launcher (WORLD_SIZE is set); remove --nproc-per-node, or "
+                        f"run attnmt train without torchrun")
+    return env
+
+
 def choose_backend(backend: Backend, requested: str = "auto") -> str:
     """The collectives of the run's device (``Backend.collectives``: NCCL for CUDA tensors, gloo for CPU ones);
     an explicit choice must fit the device."""
