@@ -14,6 +14,7 @@ the command's. Bad input raises :class:`attnmt.errors.UserError` with the comman
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import threading
 from collections.abc import Sequence
@@ -22,9 +23,17 @@ from typing import Any
 
 import torch
 
-from attnmt.backends import warn_if_forked
+from attnmt.backends import configure_process, warn_if_forked
 from attnmt.errors import UserError
-from attnmt.generation.search import Hypothesis, SearchConfig
+from attnmt.generation.alignment import attention_rows
+from attnmt.generation.continuous import ContinuousSearch, unsupported
+from attnmt.generation.forced import reference_log_probs
+from attnmt.generation.generator import Generator, make_batches
+from attnmt.generation.guidance import CONSTRAINT_ORDERS, suppressed, target_ids
+from attnmt.generation.options import generation_configs, known_options, search_config, search_option_names
+from attnmt.generation.search import Guidance, Hypothesis, SearchConfig, max_target_positions
+from attnmt.inference import load_generator
+from attnmt.interop.hub import resolve
 
 __all__ = ["Alignment", "ReferenceScore", "Translation", "Translator"]
 
@@ -74,16 +83,10 @@ class Translator:
     """
 
     def __init__(self, path: str | os.PathLike, **options: Any):
-        from attnmt.backends import configure_process
-        from attnmt.generation.options import generation_configs, known_options
-        from attnmt.inference import load_generator
-
         remove_bpe = options.pop("remove_bpe", None)
         self._check_names(options, known_options(), "Translator")
         self.search_cfg, self.gen_cfg = generation_configs(_given(options))
         configure_process("generate", self.gen_cfg.device)
-        from attnmt.interop.hub import resolve
-
         self.bundle, self.generator = load_generator(resolve(path), self.search_cfg, self.gen_cfg)
         self.note = self.bundle.with_remove_bpe(remove_bpe)  # what --remove-bpe would print, if anything
         self._options = options
@@ -164,9 +167,6 @@ class Translator:
                  suppress: Sequence[str] = ()):
         """The :class:`~attnmt.generation.search.Guidance` of ``n`` sentences from texts (see :meth:`translate`);
         a ``UserError`` naming the bad item."""
-        from attnmt.generation.guidance import CONSTRAINT_ORDERS, suppressed, target_ids
-        from attnmt.generation.search import Guidance
-
         if constraint_order not in CONSTRAINT_ORDERS:
             raise UserError(f"constraint_order must be one of {', '.join(CONSTRAINT_ORDERS)}, got "
                             f"{shown_value(constraint_order)}")
@@ -198,8 +198,6 @@ class Translator:
         """Per sentence, the ``nbest`` alternatives at the end of its prefix (see :meth:`translate`): a list of
         texts, or with ``details`` a :class:`Translation` whose ``hypotheses`` are them, in the alternatives'
         order."""
-        import math
-
         if not (isinstance(min_prob, (int, float)) and math.isfinite(min_prob) and 0 <= min_prob <= 1):
             raise UserError(f"min_alternative_expansion_prob must be a probability (0 to 1), got "
                             f"{shown_value(min_prob)}")
@@ -266,8 +264,6 @@ class Translator:
 
     def continuous_unsupported(self, **search: Any) -> str | None:
         """Why sentences of these search options cannot be batched continuously (None: they can)."""
-        from attnmt.generation.continuous import unsupported
-
         return unsupported(self.generator_for(search))
 
     def continuous_search(self, **search: Any):
@@ -277,8 +273,6 @@ class Translator:
         :meth:`finish` turns hypotheses into what ``translate`` returns. In fp32 each translation is the one
         ``translate`` gives. Use it from one thread. Raises :class:`UserError` where the model or the options need
         static batches (:meth:`continuous_unsupported`)."""
-        from attnmt.generation.continuous import ContinuousSearch
-
         reason = self.continuous_unsupported(**search)
         if reason is not None:
             raise UserError(f"continuous batching does not take {reason}; translate with translate() instead")
@@ -306,10 +300,6 @@ class Translator:
     def max_target_tokens(self, source_tokens: int) -> int:
         """The most tokens the search may write for a source of ``source_tokens`` (``--max-len-a/b`` within the
         model's positions), the final </s> not counted."""
-        import math
-
-        from attnmt.generation.search import max_target_positions
-
         cfg = self.search_cfg
         bound = max(1, math.floor(source_tokens * cfg.max_len_a + cfg.max_len_b))
         return min(bound, max(1, max_target_positions(self.bundle.model) - 1))
@@ -323,8 +313,6 @@ class Translator:
             target = None
         if not search and target is None:
             return self.generator
-        from attnmt.generation.generator import Generator
-        from attnmt.generation.options import search_config
 
         self._check_names(search, _search_names(), "translate")
         symbols = self.bundle.symbols_for(target)
@@ -364,8 +352,6 @@ class Translator:
         return best
 
     def _alignment(self, source_ids: list[int], target_ids: list[int]) -> Alignment:
-        from attnmt.generation.alignment import attention_rows
-
         b, g = self.bundle, self.generator
         with torch.inference_mode(), g.autocast():
             weights = attention_rows(b.model, source_ids, [target_ids], b.symbols.pad, b.symbols.first, g.device)[0]
@@ -378,8 +364,6 @@ class Translator:
     def score(self, sources: Sequence[str], references: Sequence[str]) -> list[ReferenceScore]:
         """How likely the model finds each reference as the translation of its source (forced decoding), batched
         by length as ``translate`` batches."""
-        from attnmt.generation.generator import make_batches
-
         srcs, refs = _lines(sources, "sources"), _lines(references, "references")
         if len(srcs) != len(refs):
             raise UserError(f"score: {len(srcs)} sources but {len(refs)} references; give one reference per source")
@@ -411,8 +395,6 @@ class Translator:
         """Per-token log-probabilities of each target (ids, final </s> included) given its source (ids), in one
         batch."""
         warn_if_forked()
-        from attnmt.generation.forced import reference_log_probs
-
         return reference_log_probs(self.generator, sources, targets)
 
     # ---------------------------------------------------------------------------------------------- lifetime
@@ -446,8 +428,6 @@ class Translator:
 
 
 def _search_names() -> set[str]:
-    from attnmt.generation.options import search_option_names
-
     return search_option_names()
 
 

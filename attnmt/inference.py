@@ -16,11 +16,16 @@ from typing import Any
 import torch
 
 from attnmt import checkpoint
-from attnmt.backends import resolve_device
+from attnmt.backends import backend_for, configure_process, resolve_device, resolve_precision, set_threads
 from attnmt.checkpoint.model import model_from_checkpoint
+from attnmt.data.dictionary import Dictionary
 from attnmt.errors import UserError
+from attnmt.generation import shortlist
+from attnmt.generation.generator import Generator
 from attnmt.generation.search import Symbols
-from attnmt.models.interface import SearchModel
+from attnmt.generation.shortlist import projection_maker
+from attnmt.models.ensemble import Ensemble
+from attnmt.models.interface import EncoderDecoderModel, SearchModel
 
 
 @dataclass
@@ -165,8 +170,6 @@ def load_for_inference(path: str | os.PathLike, device: str | torch.device = "cp
     with the ensemble of ``a.pt:b.pt`` (the members must share their dictionaries and text pipeline)."""
     paths = ensemble_paths(path)
     if len(paths) > 1:
-        from attnmt.models.ensemble import Ensemble
-
         bundles = [load_for_inference(p, device) for p in paths]
         first = bundles[0]
         for b in bundles[1:]:
@@ -199,8 +202,6 @@ def load_for_inference(path: str | os.PathLike, device: str | torch.device = "cp
 
 def check_data_dir(bundle: InferenceBundle, data_bin: str | os.PathLike) -> None:
     """Refuse a binarized directory whose dictionaries differ from the checkpoint's (its ids would mean other words)."""
-    from attnmt.data.dictionary import Dictionary
-
     for side, lang, d in (("source", bundle.source_lang, bundle.src_dict), ("target", bundle.target_lang,
                                                                            bundle.tgt_dict)):
         f = Path(data_bin) / f"dict.{lang}.txt"
@@ -223,9 +224,6 @@ def load_generator(path: str | os.PathLike, search_cfg, gen_cfg):
     ``generator.close()`` stops them. Process-wide settings are the caller's (``attnmt.backends.configure_process``
     in the commands).
     """
-    from attnmt.backends import backend_for, resolve_precision, set_threads
-    from attnmt.generation.generator import Generator
-
     set_threads(gen_cfg.threads)
     if gen_cfg.quantize == "int8":
         if gen_cfg.device not in ("auto", "cpu"):
@@ -251,8 +249,6 @@ def load_generator(path: str | os.PathLike, search_cfg, gen_cfg):
                           max_source_positions=bundle.max_source_positions(),
                           truncate_source=gen_cfg.truncate_source, target_text=bundle.target_text)
     if make_projection is not None:
-        from attnmt.generation import shortlist
-
         generator.use_shortlist(shortlist.read(gen_cfg.shortlist, bundle.src_dict, bundle.tgt_dict), make_projection,
                                 len(bundle.tgt_dict))
     if gen_cfg.workers > 1:
@@ -265,9 +261,6 @@ def load_generator(path: str | os.PathLike, search_cfg, gen_cfg):
 def shortlist_projection(model, backend, quantize: str):
     """``--shortlist``: how a batch's rows of the output projection become a layer run as the backend runs the
     model's (taken before the backend prepares the model; a one-line error for a model without one projection)."""
-    from attnmt.generation.shortlist import projection_maker
-    from attnmt.models.interface import EncoderDecoderModel
-
     if not isinstance(model, EncoderDecoderModel):
         raise UserError("--shortlist takes one model, not an ensemble; translate with one checkpoint")
     weight = model.output_projection_weight().detach()
@@ -277,7 +270,5 @@ def shortlist_projection(model, backend, quantize: str):
 def load_worker_generator(path: str, search_cfg, gen_cfg, threads: int):
     """What a spawned decoding worker translates with (the picklable ``load`` of ``WorkerPool``): the checkpoint
     loaded as ``load_generator`` loads it, for one process."""
-    from attnmt.backends import configure_process
-
     configure_process("generate", gen_cfg.device)  # a spawned worker is a fresh process
     return load_generator(path, search_cfg, replace(gen_cfg, workers=1, threads=threads))[1]

@@ -26,8 +26,12 @@ from typing import Any
 
 import torch
 
+from attnmt.backends import backend_for
 from attnmt.errors import UserError
 from attnmt.fileio import atomic_open
+from attnmt.generation.generator import Generator, collate
+from attnmt.generation.search import SearchConfig
+from attnmt.models.attention_maps import attention_maps_of
 
 # ------------------------------------------------------------------------------------------------ matplotlib
 
@@ -253,11 +257,6 @@ def cross_attention_dump(bundle, source: str, reference: str | None = None, sear
 
     ``bundle`` is an ``attnmt.inference.InferenceBundle``.
     """
-    from attnmt.backends import backend_for
-    from attnmt.generation.generator import Generator, collate
-    from attnmt.generation.search import SearchConfig
-    from attnmt.models.attention_maps import attention_maps_of
-
     model = bundle.model
     if not source.strip():
         raise UserError("--input is empty; give the source sentence to translate, e.g. --input \"A man rides a bike.\"")

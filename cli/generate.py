@@ -10,15 +10,25 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+from pathlib import Path
 
 import click
 
+from attnmt.backends import configure_process
 from attnmt.config import add_options, given_options
 from attnmt.errors import UserError
-from attnmt.generation.alignment import STYLES
-from attnmt.generation.generator import GenerationConfig
+from attnmt.fileio import atomic_open, check_output_file
+from attnmt.generation.alignment import STYLES, alignment_lines
+from attnmt.generation.forced import score_references
+from attnmt.generation.generator import GenerationConfig, format_result, write_lines
+from attnmt.generation.guidance import LineGuidance, suppressed
+from attnmt.generation.inputs import Inputs, read_split, read_text, too_long
 from attnmt.generation.options import generation_configs, search_option_classes
-from attnmt.generation.search import Guidance, SearchConfig
+from attnmt.generation.search import SearchConfig
+from attnmt.inference import load_generator
+from attnmt.interop.hub import resolve
+from attnmt.progress import SentenceProgress
+from attnmt.scoring import fairseq_generate_bleu
 
 # fairseq-generate's defaults, for --fairseq (each only where the command line leaves it out)
 FAIRSEQ_GENERATE = {"beam": 5, "lenpen": 1.0, "lenpen_style": "fairseq", "early_stop": "beam", "max_len_a": 0.0,
@@ -69,8 +79,6 @@ def guidance_options(command):
 
 def read_guidance(bundle, lines, prefix_field: bool, constraints: str | None, suppress, where: str, first: int = 0):
     """The sources of ``lines`` and their guidance (:mod:`attnmt.generation.guidance`)."""
-    from attnmt.generation.guidance import LineGuidance, suppressed
-
     return LineGuidance(prefix_field, constraints).split(lines, bundle, where, first, suppressed(bundle, suppress))
 
 
@@ -80,56 +88,80 @@ def print_summary(command: str, generator, search_cfg: SearchConfig, start: floa
     click.echo(f"attnmt {command}: search: {search_cfg.describe()}", err=True)
 
 
-def fairseq_reference(bundle, ids) -> str:
-    """fairseq-generate's ``T-`` string of a reference: its pieces, an unknown word as ``<<unk>>``, the subword
-    markers removed (its ``--post-process`` for the model's subword model), not detokenized."""
-    from attnmt.data.subword import remove_bpe
-
-    d = bundle.tgt_dict
-    skip = {d.eos(), d.pad(), d.bos()}
-    pieces = " ".join("<<unk>>" if i == d.unk() else d[i] for i in map(int, ids) if i not in skip)
-    return remove_bpe(pieces, getattr(bundle.tgt_pipeline.bpe, "fairseq_post_process", "none"))
-
-
-def _binarized_split(bundle, data_bin: str, subset: str, fairseq_refs: bool = False):
-    """(source id lists, reference texts or None, source texts, reference id lists or None) of split ``subset``
-    of ``data_bin``; ``fairseq_refs``: the references as fairseq-generate prints them (``fairseq_reference``)."""
-    from attnmt.data.indexed import IndexedDataset, exists, pair_prefix
-    from attnmt.inference import check_data_dir
-
-    check_data_dir(bundle, data_bin)
-    src, tgt = bundle.source_lang, bundle.target_lang
-    prefix = pair_prefix(data_bin, subset, src, tgt)
-    if not exists(f"{prefix}.{src}"):
-        raise UserError(f"{prefix}.{src}.bin/.idx: split '{subset}' not found in {data_bin}; choose another "
-                        f"--gen-subset or binarize it with attnmt preprocess --testpref")
-    src_ds = IndexedDataset(f"{prefix}.{src}")
-    src_ds.check_ids(len(bundle.src_dict), f"the checkpoint's {src} dictionary")
-    sources = [src_ds[i].tolist() for i in range(len(src_ds))]
-    refs = ref_ids = None
-    if exists(f"{prefix}.{tgt}"):
-        tgt_ds = IndexedDataset(f"{prefix}.{tgt}")
-        if len(tgt_ds) != len(src_ds):
-            raise UserError(f"{prefix}.{tgt}.idx: {len(tgt_ds)} sentences but the source has {len(src_ds)}; "
-                            f"re-run attnmt preprocess")
-        tgt_ds.check_ids(len(bundle.tgt_dict), f"the checkpoint's {tgt} dictionary")
-        ref_ids = [tgt_ds[i].tolist() for i in range(len(tgt_ds))]
-        refs = [fairseq_reference(bundle, tgt_ds[i]) if fairseq_refs else
-                bundle.detokenize(bundle.tgt_dict.string(tgt_ds[i])) for i in range(len(tgt_ds))]
-    texts = [bundle.src_pipeline.decode(bundle.source_pieces(s)) for s in sources]
-    return sources, refs, texts, ref_ids
+def _output_path(results_path: str | None, output: str | None, name: str) -> str | None:
+    """Where the output goes: ``--output``, ``--results-path DIR`` (fairseq's ``DIR/generate-NAME.txt``) or stdout
+    (None); checked before translating, not at the final rename."""
+    if results_path is not None:
+        if output:
+            raise UserError(f"--results-path {results_path} and --output {output} both say where to write; give one")
+        Path(results_path).mkdir(parents=True, exist_ok=True)
+        output = str(Path(results_path) / f"generate-{name}.txt")
+    if output:
+        check_output_file(output, "--output")
+    return output
 
 
-def _alignments(bundle, generator, source_ids, hyps, style: str) -> list[str]:
-    """The ``A-`` line text of each hypothesis of one sentence (``attnmt.generation.alignment``)."""
-    import torch
+def _inputs(bundle, data_bin, gen_subset, input_path, fields: LineGuidance, suppress, prefix_size: int,
+            score_reference: bool, fairseq_refs: bool) -> Inputs:
+    """The sentences to translate and their guidance, with the options that need references checked."""
+    if fields and input_path is None:
+        raise UserError("--constraints and --prefix read TAB fields of raw input lines: give --input FILE|- "
+                        "(for a DATA_BIN split, --prefix-size forces the references' first tokens)")
+    if input_path is not None:
+        inputs = read_text(bundle, input_path, fields, suppress)
+    else:
+        inputs = read_split(bundle, data_bin, gen_subset, suppress, fairseq_refs=fairseq_refs)
+    no_refs = "--input has none" if input_path is not None else inputs.where + " has no target side"
+    if prefix_size and inputs.ref_ids is None:
+        raise UserError(f"--prefix-size forces the references' first tokens, and {no_refs}; give a DATA_BIN split "
+                        f"binarized with both languages")
+    if prefix_size:
+        inputs.guide.prefixes = [list(r[:-1][:prefix_size]) for r in inputs.ref_ids]
+    if score_reference and inputs.ref_ids is None:
+        raise UserError(f"--score-reference scores the references of a binarized split, and {no_refs}; give a "
+                        f"DATA_BIN split binarized with both languages")
+    return inputs
 
-    from attnmt.generation.alignment import alignment_line, attention_rows
 
-    with torch.inference_mode(), generator.autocast():
-        rows = attention_rows(bundle.model, list(source_ids), [list(h.tokens) for h in hyps], bundle.symbols.pad,
-                              bundle.symbols.first, generator.device)
-    return [alignment_line(w, style) for w in rows]
+def _kept(bundle, inputs: Inputs, skip_invalid: bool, score_reference: bool, quiet: bool) -> list[int]:
+    """The indices of the sentences to translate: all, or with --skip-invalid-size-inputs-valid-test those the
+    model accepts (the others named on stderr)."""
+    if not skip_invalid:
+        return list(range(len(inputs.sources)))
+    skipped = too_long(bundle, inputs, with_references=score_reference)
+    if skipped and not quiet:
+        src_limit, tgt_limit = bundle.model.max_positions()
+        shown = ", ".join(str(i + 1) for i in skipped[:10]) + (" ..." if len(skipped) > 10 else "")
+        click.echo(f"attnmt generate: {len(skipped)} sentence(s) longer than the model accepts ({src_limit} "
+                   f"source{f', {tgt_limit} target' if score_reference else ''} tokens) skipped "
+                   f"(--skip-invalid-size-inputs-valid-test): {'line' if len(skipped) == 1 else 'lines'} "
+                   f"{shown} of {inputs.where} (ids {', '.join(map(str, skipped[:10]))})", err=True)
+    return sorted(set(range(len(inputs.sources))) - set(skipped))
+
+
+def _write(out, results, keep: list[int], inputs: Inputs, bundle, generator, fmt: str, print_alignment,
+           fairseq_line: str | None) -> None:
+    """Each sentence's lines in input order; with ``fairseq_line`` (``Generate SPLIT with beam=N``) and references,
+    fairseq-generate's closing BLEU line (in fairseq's output; on stderr for plain output, which holds
+    translations only)."""
+    best: list[str] = []
+    for j, hyps in results:
+        i = keep[j]
+        alignments = None
+        if print_alignment is not None:
+            alignments = alignment_lines(bundle, generator, inputs.sources[i], hyps, print_alignment)
+        write_lines(out, format_result(i, hyps, bundle, fmt, source=inputs.texts[i],
+                                       reference=inputs.refs[i] if inputs.refs is not None else None,
+                                       alignments=alignments))
+        if fairseq_line is not None:
+            best.append(bundle.detokenize(bundle.target_pieces(hyps[0].tokens)) if hyps else "")
+    if fairseq_line is not None and inputs.refs is not None:
+        line = f"{fairseq_line}: {fairseq_generate_bleu(best, [inputs.refs[i] for i in keep])}"
+        if fmt == "fairseq":
+            out.write(line + "\n")
+        else:
+            click.echo(f"attnmt generate: {line}", err=True)
+    out.flush()
 
 
 @click.command("generate")
@@ -177,13 +209,6 @@ def command(data_bin, path, gen_subset, input_path, fmt, output, results_path, s
     attnmt generate --path model.pt --input test.en | attnmt score --ref test.de
     attnmt generate data-bin/multi30k --path model.pt --format fairseq --beam 5 --nbest 5
     """
-    from attnmt.backends import configure_process
-    from attnmt.fileio import atomic_open, check_output_file
-    from attnmt.generation.generator import format_result, write_lines
-    from attnmt.inference import load_generator
-    from attnmt.progress import SentenceProgress
-    from attnmt.scoring import read_lines
-
     start = time.perf_counter()
     if fairseq_mode:
         fairseq_defaults(params)
@@ -198,107 +223,39 @@ def command(data_bin, path, gen_subset, input_path, fmt, output, results_path, s
                         "--input FILE|- for raw text")
     if input_path is not None and data_bin is not None:
         raise UserError(f"give either DATA_BIN ({data_bin}) or --input ({input_path}), not both")
-    if results_path is not None:
-        if output:
-            raise UserError(f"--results-path {results_path} and --output {output} both say where to write; give one")
-        from pathlib import Path
-
-        Path(results_path).mkdir(parents=True, exist_ok=True)
-        output = str(Path(results_path) / f"generate-{gen_subset if input_path is None else 'input'}.txt")
-    if output:
-        check_output_file(output, "--output")  # before translating, not at the final rename
+    output = _output_path(results_path, output, gen_subset if input_path is None else "input")
 
     configure_process("generate", gen_cfg.device)  # allocator settings for decoding (attnmt/backends)
-    from attnmt.interop.hub import resolve
-
     bundle, generator = load_generator(resolve(path), search_cfg, gen_cfg)
     note = bundle.with_remove_bpe(remove_bpe)
     if note and not quiet:
         click.echo(f"attnmt generate: {note}", err=True)
-    for flag, given, theirs in (("-s", source_lang, bundle.source_lang), ("-t", target_lang, bundle.target_lang)):
-        if given is not None and given != theirs:
-            generator.close()
-            raise UserError(f"{flag} {given}: {bundle.path} translates {bundle.source_lang}->{bundle.target_lang} "
-                            f"(a model translates one direction); drop {flag} or give that model's languages")
     try:
-        if (constraints or prefix_field) and input_path is None:
-            raise UserError("--constraints and --prefix read TAB fields of raw input lines: give --input FILE|- "
-                            "(for a DATA_BIN split, --prefix-size forces the references' first tokens)")
-        if input_path is not None:
-            where = "stdin" if input_path == "-" else input_path
-            texts = read_lines(input_path, "input")
-            texts, guide = read_guidance(bundle, texts, prefix_field, constraints, suppress, where)
-            sources, refs, ref_ids = bundle.encode_sources(texts), None, None
-        else:
-            where = f"{data_bin}/{gen_subset}"
-            sources, refs, texts, ref_ids = _binarized_split(bundle, data_bin, gen_subset,
-                                                             fairseq_refs=fairseq_mode)
-        if input_path is None:
-            from attnmt.generation.guidance import suppressed
-
-            guide = Guidance(suppress=suppressed(bundle, suppress))
-        if prefix_size:
-            if ref_ids is None:
-                raise UserError(f"--prefix-size forces the references' first tokens, and "
-                                f"{'--input has none' if input_path is not None else where + ' has no target side'}; "
-                                f"give a DATA_BIN split binarized with both languages")
-            guide.prefixes = [list(r[:-1][:prefix_size]) for r in ref_ids]
-        if score_reference and ref_ids is None:
-            raise UserError(f"--score-reference scores the references of a binarized split, and "
-                            f"{'--input has none' if input_path is not None else where + ' has no target side'}; "
-                            f"give a DATA_BIN split binarized with both languages")
-
-        keep = list(range(len(sources)))
-        if skip_invalid:
-            src_limit, tgt_limit = bundle.model.max_positions()
-            too_long = [i for i in keep if len(sources[i]) > src_limit
-                        or (score_reference and len(ref_ids[i]) > tgt_limit)]
-            keep = sorted(set(keep) - set(too_long))
-            if too_long and not quiet:
-                shown = ", ".join(str(i + 1) for i in too_long[:10]) + (" ..." if len(too_long) > 10 else "")
-                click.echo(f"attnmt generate: {len(too_long)} sentence(s) longer than the model accepts ({src_limit} "
-                           f"source{f', {tgt_limit} target' if score_reference else ''} tokens) skipped "
-                           f"(--skip-invalid-size-inputs-valid-test): {'line' if len(too_long) == 1 else 'lines'} "
-                           f"{shown} of {where} (ids {', '.join(map(str, too_long[:10]))})", err=True)
+        for flag, given in (("-s", source_lang), ("-t", target_lang)):
+            if given is not None and given != (bundle.source_lang if flag == "-s" else bundle.target_lang):
+                raise UserError(f"{flag} {given}: {bundle.path} translates {bundle.source_lang}->"
+                                f"{bundle.target_lang} (a model translates one direction); drop {flag} or give "
+                                f"that model's languages")
+        inputs = _inputs(bundle, data_bin, gen_subset, input_path, LineGuidance(prefix_field, constraints), suppress,
+                         prefix_size, score_reference, fairseq_refs=fairseq_mode)
+        keep = _kept(bundle, inputs, skip_invalid, score_reference, quiet)
+        sources = [inputs.sources[i] for i in keep]
         progress = SentenceProgress(len(keep), "translating", quiet=quiet)
-        sink = atomic_open(output, "w") if output else contextlib.nullcontext(sys.stdout)
-        best: list[str] = []
         try:
-            with sink as out:
+            with atomic_open(output, "w") if output else contextlib.nullcontext(sys.stdout) as out:
                 if score_reference:
-                    from attnmt.generation.forced import score_references
-
-                    results = score_references(generator, [sources[i] for i in keep], [ref_ids[i] for i in keep],
-                                               gen_cfg.max_tokens, gen_cfg.batch_size, where, progress)
+                    results = score_references(generator, sources, [inputs.ref_ids[i] for i in keep],
+                                               gen_cfg.max_tokens, gen_cfg.batch_size, inputs.where, progress)
                 else:
-                    results = generator.generate([sources[i] for i in keep], gen_cfg.max_tokens, gen_cfg.batch_size,
-                                                 where=where, progress=progress, guide=guide.subset(keep))
-                for j, hyps in results:
-                    i = keep[j]
-                    alignments = None
-                    if print_alignment is not None:
-                        alignments = _alignments(bundle, generator, sources[i], hyps, print_alignment)
-                    write_lines(out, format_result(i, hyps, bundle, fmt, source=texts[i],
-                                                   reference=refs[i] if refs is not None else None,
-                                                   alignments=alignments))
-                    if fairseq_mode:
-                        best.append(bundle.detokenize(bundle.target_pieces(hyps[0].tokens)) if hyps else "")
-                if fairseq_mode and refs is not None:  # fairseq-generate's closing line: in fairseq's output
-                    from attnmt.scoring import fairseq_generate_bleu  # only (plain output holds translations only)
-
-                    line = (f"Generate {gen_subset} with beam={search_cfg.beam}: "
-                            f"{fairseq_generate_bleu(best, [refs[i] for i in keep])}")
-                    if fmt == "fairseq":
-                        out.write(line + "\n")
-                    else:
-                        click.echo(f"attnmt generate: {line}", err=True)
-                out.flush()
+                    results = generator.generate(sources, gen_cfg.max_tokens, gen_cfg.batch_size, where=inputs.where,
+                                                 progress=progress, guide=inputs.guide.subset(keep))
+                _write(out, results, keep, inputs, bundle, generator, fmt, print_alignment,
+                       f"Generate {gen_subset} with beam={search_cfg.beam}" if fairseq_mode else None)
         finally:
             progress.close()
     finally:
         generator.close()
     if not quiet:
         print_summary("generate", generator, search_cfg, start)
-
 
 add_options(command, [*search_option_classes(), GenerationConfig])

@@ -14,18 +14,28 @@ import time
 
 import click
 
-from attnmt.cli.generate import guidance_options, print_summary, read_guidance, remove_bpe_option
+from attnmt.backends import configure_process
+from attnmt.cli.generate import (
+    configs,
+    fairseq_defaults,
+    guidance_options,
+    print_summary,
+    read_guidance,
+    remove_bpe_option,
+)
+from attnmt.cli.translate import line_batches
 from attnmt.config import add_options
+from attnmt.data.subword import NoTokenizer, SentencePieceBPE, SubwordNmtBPE, TextPipeline, build_tokenizer
 from attnmt.errors import UserError
-from attnmt.generation.generator import GenerationConfig
+from attnmt.generation.generator import GenerationConfig, format_result, write_lines
 from attnmt.generation.options import search_option_classes
+from attnmt.inference import check_data_dir, load_generator
+from attnmt.interop.hub import resolve
 
 
 def _segmentation(bundle, tokenizer: str | None, bpe: str | None, spm_model: str | None,
                   bpe_codes: str | None) -> None:
     """Apply fairseq-interactive's --tokenizer/--bpe to a checkpoint that reads pieces (imported from fairseq)."""
-    from attnmt.data.subword import NoTokenizer, SentencePieceBPE, SubwordNmtBPE, TextPipeline, build_tokenizer
-
     if bpe in (None, "none") and tokenizer in (None, "none"):
         return
     if bundle.src_pipeline.merges_subwords() or not isinstance(bundle.src_pipeline.tokenizer, NoTokenizer):
@@ -75,18 +85,11 @@ def command(data_dir, path, input_path, buffer_size, source_lang, target_lang, t
     echo "A man is riding a bike." | attnmt interactive --path checkpoints/checkpoint_best.pt
     attnmt interactive data-bin/wmt16_en_de --path model.pt --beam 5 --remove-bpe < input.tok.bpe.en
     """
-    from attnmt.backends import configure_process
-    from attnmt.cli.generate import configs, fairseq_defaults
-    from attnmt.cli.translate import line_batches
-    from attnmt.generation.generator import format_result, write_lines
-    from attnmt.inference import check_data_dir, load_generator
-
     start = time.perf_counter()
     if fairseq_mode:
         fairseq_defaults(params)
     search_cfg, gen_cfg = configs(params)
     configure_process("generate", gen_cfg.device)
-    from attnmt.interop.hub import resolve
 
     bundle, generator = load_generator(resolve(path), search_cfg, gen_cfg)
     try:

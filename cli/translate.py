@@ -19,11 +19,14 @@ from collections.abc import Iterator
 
 import click
 
-from attnmt.cli.generate import guidance_options, print_summary, read_guidance, remove_bpe_option
+from attnmt.backends import configure_process
+from attnmt.cli.generate import configs, guidance_options, print_summary, read_guidance, remove_bpe_option
 from attnmt.config import add_options
 from attnmt.errors import UserError
-from attnmt.generation.generator import GenerationConfig
+from attnmt.generation.generator import GenerationConfig, format_result, write_lines
 from attnmt.generation.options import search_option_classes
+from attnmt.inference import load_generator
+from attnmt.interop.hub import resolve
 
 
 def _fileno(stream) -> int | None:
@@ -100,15 +103,9 @@ def command(path, buffer_size, fmt, quiet, remove_bpe, constraints, prefix_field
     echo "A man is riding a bike." | attnmt translate --path checkpoints/checkpoint_best.pt
     attnmt translate --path model.pt --beam 5 --precision auto < input.en > output.de
     """
-    from attnmt.backends import configure_process
-    from attnmt.cli.generate import configs
-    from attnmt.generation.generator import format_result, write_lines
-    from attnmt.inference import load_generator
-
     start = time.perf_counter()
     search_cfg, gen_cfg = configs(params)
     configure_process("generate", gen_cfg.device)  # allocator settings for decoding (attnmt/backends)
-    from attnmt.interop.hub import resolve
 
     bundle, generator = load_generator(resolve(path), search_cfg, gen_cfg)
     note = bundle.with_remove_bpe(remove_bpe)

@@ -37,8 +37,11 @@ from pathlib import Path
 
 import torch
 
+from attnmt.data.dictionary import Dictionary
+from attnmt.data.subword import TextPipeline, build_tokenizer
 from attnmt.errors import UserError
 from attnmt.fileio import atomic_open, atomic_torch_save, pid_alive
+from attnmt.registry import get
 
 FORMAT = "attnmt-checkpoint"
 VERSION = 1
@@ -122,8 +125,6 @@ class DataSection:
 
     def dictionaries(self, path: str | os.PathLike):
         """(source, target) Dictionary, checked against their stored checksums."""
-        from attnmt.data.dictionary import Dictionary
-
         try:
             dicts = Dictionary.from_state(self.src_dict), Dictionary.from_state(self.tgt_dict)
         except UserError as e:
@@ -136,9 +137,6 @@ class DataSection:
 
     def pipelines(self, path: str | os.PathLike):
         """(source, target) TextPipeline: raw text <-> the pieces the model was trained on."""
-        from attnmt.data.subword import TextPipeline, build_tokenizer
-        from attnmt.registry import get
-
         bpe_cls = get("bpe", self.bpe).obj
 
         def subword_model(side: str):

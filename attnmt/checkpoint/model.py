@@ -7,15 +7,14 @@ from pathlib import Path
 
 import torch
 
+from attnmt import registry
+from attnmt.config import config_from_dict
 from attnmt.errors import UserError
 from attnmt.models.interface import EncoderDecoderModel, build_model
 
 
 def model_from_checkpoint(ckpt: dict, src_dict, tgt_dict, path: Path) -> EncoderDecoderModel:
     """The registered model of the checkpoint with its weights, in eval mode."""
-    from attnmt import registry
-    from attnmt.config import config_from_dict
-
     name = ckpt.get("model_name")
     if not name or "model" not in ckpt or "model_config" not in ckpt:
         raise UserError(f"{path}: the checkpoint lacks model_name/model_config/model; use a file written by "

@@ -42,3 +42,11 @@ def alignment_line(weights: torch.Tensor, style: str) -> str:
     if rows.numel() == 0:
         return ""
     return " ".join(f"{s}-{t}" for t, s in enumerate(rows.argmax(dim=1).tolist()))
+
+
+def alignment_lines(bundle, generator, source_ids: list[int], hyps, style: str) -> list[str]:
+    """The ``A-`` line text of each hypothesis of one sentence, with the generator's device and precision."""
+    with torch.inference_mode(), generator.autocast():
+        rows = attention_rows(bundle.model, list(source_ids), [list(h.tokens) for h in hyps], bundle.symbols.pad,
+                              bundle.symbols.first, generator.device)
+    return [alignment_line(w, style) for w in rows]

@@ -8,14 +8,14 @@ from collections.abc import Callable, Iterator
 import torch
 
 from attnmt.errors import UserError
+from attnmt.generation.generator import collate, make_batches
+from attnmt.generation.search import Hypothesis
 
 
 def reference_log_probs(generator, sources: list[list[int]], targets: list[list[int]]) -> list[list[float]]:
     """Per-token natural-log probabilities of each target (ids, final ``</s>`` included) given its source (ids,
     final ``</s>`` included), in one batch, with ``generator``'s model, device and precision. An ensemble gives
     the log of its members' averaged probabilities, as its search does."""
-    from attnmt.generation.generator import collate
-
     symbols = generator.symbols
     start, pad = symbols.first, symbols.pad
     src, src_lengths = collate(sources, pad, generator.device)
@@ -34,9 +34,6 @@ def score_references(generator, sources: list[list[int]], targets: list[list[int
     """``(index, [Hypothesis])`` in input order, each target scored given its source, batched by length as the
     search batches (``max_tokens`` 0: the device's choice). The score is the mean log-probability per token and
     the positional scores are the per-token ones (fairseq's SequenceScorer)."""
-    from attnmt.generation.generator import make_batches
-    from attnmt.generation.search import Hypothesis
-
     sources = [generator.check_length(list(s), i, where) for i, s in enumerate(sources)]
     limit = generator.model.max_positions()[1]
     for i, t in enumerate(targets):

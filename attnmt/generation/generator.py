@@ -26,6 +26,7 @@ from attnmt.backends.precision import requested_precision
 from attnmt.data.batching import batch_by_size
 from attnmt.data.pairs import pad_sequences
 from attnmt.errors import UserError
+from attnmt.generation import mbr
 from attnmt.generation.search import (
     Guidance,
     Hypothesis,
@@ -38,6 +39,8 @@ from attnmt.generation.search import (
     search,
     step_log_probs,
 )
+from attnmt.generation.shortlist import ShortlistedModel
+from attnmt.generation.workers import WorkerPool
 
 
 @dataclass
@@ -214,7 +217,6 @@ class Generator:
         candidates (its sources', the special symbols, its prefixes' and constraints' tokens)."""
         if self.shortlist is None:
             return self.model
-        from attnmt.generation.shortlist import ShortlistedModel
 
         shortlist, make, vocab = self.shortlist
         sym = self.symbols
@@ -231,8 +233,6 @@ class Generator:
     def start_workers(self, workers: int, threads: int, load=None) -> None:
         """Translate batches in ``workers`` processes of ``threads`` CPU threads each (``attnmt.generation.workers``;
         ``load``: how a worker of several threads loads its own copy, needed for those)."""
-        from attnmt.generation.workers import WorkerPool
-
         if not self.backend.worker_processes:
             raise UserError(f"--workers runs several decoding processes on the CPU; on {self.device} use one "
                             f"(drop --workers)")
@@ -299,7 +299,6 @@ class Generator:
             if not cfg.mbr_samples:
                 return search(model, tokens, lengths, cfg, self.symbols, sample_ids, kernels=kernels,
                               guide=guide)
-            from attnmt.generation import mbr
 
             beams = search(model, tokens, lengths, replace(cfg, nbest=cfg.beam, mbr_samples=0), self.symbols,
                            sample_ids, kernels=kernels, guide=guide)

@@ -18,6 +18,10 @@ import torch
 
 from attnmt.errors import UserError
 from attnmt.fileio import write_directory
+from attnmt.generation.beam import beam_search
+from attnmt.generation.search import SearchConfig
+from attnmt.inference import load_for_inference
+from attnmt.models.transformer import sinusoid_table
 
 
 def _ctranslate2():
@@ -48,7 +52,6 @@ def _norm(spec, state: dict, prefix: str) -> None:
 def _positions(cfg: dict, state: dict, side: str, dim: int, count: int) -> np.ndarray:
     if cfg.get("learned_pos"):
         return _np(state[f"{side}.embed.positions.weight"])
-    from attnmt.models.transformer import sinusoid_table
 
     return _np(sinusoid_table(count, dim, cfg.get("sinusoid_style", "paper")))
 
@@ -152,9 +155,6 @@ def check(path: str | os.PathLike, output_dir: str | os.PathLike, lines: list[st
     conversion from the search (attnmt's beam-1 search keeps an early EOS that greedy argmax decoding would skip).
     """
     ctranslate2 = _ctranslate2()
-    from attnmt.generation.beam import beam_search
-    from attnmt.generation.search import SearchConfig
-    from attnmt.inference import load_for_inference
 
     bundle = load_for_inference(path)
     sources = bundle.encode_sources(lines)

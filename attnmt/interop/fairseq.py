@@ -24,7 +24,18 @@ from pathlib import Path
 
 import torch
 
+from attnmt import checkpoint, registry
+from attnmt.checkpoint import verify_bytes
+from attnmt.config import make_config, to_dict
+from attnmt.data.dictionary import Dictionary
+from attnmt.data.subword import SentencePieceBPE
 from attnmt.errors import UserError
+from attnmt.fileio import write_directory
+from attnmt.generation.beam import beam_search
+from attnmt.generation.search import SearchConfig
+from attnmt.inference import load_for_inference
+from attnmt.models.interface import build_model
+from attnmt.models.transformer import sinusoid_table
 
 # attnmt TransformerConfig field <- fairseq model option (same meaning)
 SAME_FIELDS = ("encoder_layers", "decoder_layers", "encoder_embed_dim", "decoder_embed_dim", "encoder_ffn_embed_dim",
@@ -49,8 +60,6 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[dict, dict]:
     (``args``); both load with ``weights_only=True``. The file is trusted no more than an attnmt one: its
     checksums, its structure and its weights' types are checked, each fault a one-line UserError naming it.
     """
-    from attnmt.checkpoint import verify_bytes
-
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: not found; give a fairseq checkpoint (checkpoint_best.pt, model.pt)")
@@ -241,11 +250,6 @@ def import_checkpoint(path: str | os.PathLike, src_dict_path: str | os.PathLike,
     """An attnmt checkpoint (inference and ``--finetune-from``/``--restore-file``-ready weights, no training state)
     holding the fairseq model at ``path`` with its dictionaries and, when given, the SentencePiece model its text
     was segmented with."""
-    from attnmt import checkpoint, registry
-    from attnmt.config import make_config, to_dict
-    from attnmt.data.dictionary import Dictionary
-    from attnmt.models.interface import build_model
-
     options, state = read_checkpoint(path)
     dicts = []
     for what, p in (("source", src_dict_path), ("target", tgt_dict_path)):
@@ -279,8 +283,6 @@ def import_checkpoint(path: str | os.PathLike, src_dict_path: str | os.PathLike,
         raise UserError(f"{path}: the weights do not fit a transformer of its options ({detail})") from None
     bpe, bpe_model = "none", None
     if spm_model is not None:
-        from attnmt.data.subword import SentencePieceBPE
-
         SentencePieceBPE.load(spm_model)  # a clear error for a file that is not a SentencePiece model
         bpe = "sentencepiece"
         bpe_model = torch.frombuffer(bytearray(Path(spm_model).read_bytes()), dtype=torch.uint8).clone()
@@ -299,8 +301,6 @@ def import_checkpoint(path: str | os.PathLike, src_dict_path: str | os.PathLike,
 
 def convert_to_fairseq(ckpt: dict, pad: int) -> dict[str, torch.Tensor]:
     """attnmt parameter names and layouts -> fairseq's (positions as fairseq learned-position tables)."""
-    from attnmt.models.transformer import sinusoid_table
-
     cfg, state = ckpt["model_config"], ckpt["model"]
     out: dict[str, torch.Tensor] = {}
 
@@ -349,9 +349,6 @@ def export_checkpoint(ckpt: dict, output_dir: str | os.PathLike, force: bool = F
     """Write ``checkpoint.pt`` and ``dict.SRC.txt``/``dict.TGT.txt`` (and ``dict.txt`` when joint) for
     fairseq-generate/-interactive, as one directory made whole or not at all (``fileio.write_directory``).
     Needs fairseq 0.12 importable (its option namespace goes into the file)."""
-    from attnmt.data.dictionary import Dictionary
-    from attnmt.fileio import write_directory
-
     if ckpt.get("model_config", {}).get("attention_key_dim"):
         raise UserError(f"fairseq's Transformer holds attention keys of d_model / heads only, and this model's are "
                         f"--attention-key-dim {ckpt['model_config']['attention_key_dim']}; translate it with attnmt")
@@ -397,9 +394,6 @@ def check(path: str | os.PathLike, output_dir: str | os.PathLike, lines: list[st
     (both toolkits score the same pairs token by token, which isolates the conversion from the searches)."""
     from fairseq import checkpoint_utils
 
-    from attnmt.generation.beam import beam_search
-    from attnmt.generation.search import SearchConfig
-    from attnmt.inference import load_for_inference
 
     bundle = load_for_inference(path)
     models, _cfg, _task = checkpoint_utils.load_model_ensemble_and_task(

@@ -29,7 +29,14 @@ from pathlib import Path
 
 import torch
 
+from attnmt import checkpoint, registry
+from attnmt.config import make_config, to_dict
+from attnmt.data.dictionary import Dictionary
+from attnmt.data.subword import FastBPE, SentencePieceBPE
 from attnmt.errors import UserError
+from attnmt.interop.fairseq import layer_names
+from attnmt.models.interface import build_model
+from attnmt.models.transformer import sinusoid_table
 
 SUPPORTED = ("marian", "m2m_100", "fsmt")
 ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "swish": "swish", "silu": "swish"}
@@ -111,8 +118,6 @@ def _vocabulary(path: Path, size: int, what: str) -> list[str]:
 
 
 def _spm_bytes(path: Path, what: str) -> bytes:
-    from attnmt.data.subword import SentencePieceBPE
-
     if not path.is_file():
         raise UserError(f"{path}: not found; the {what} SentencePiece model is one of the tokenizer files")
     data = path.read_bytes()
@@ -161,8 +166,6 @@ def _common_fields(cfg: dict, path: Path) -> dict:
 
 def _layers(state: dict, fields: dict, path: Path) -> dict[str, torch.Tensor]:
     """The layers' weights, HF (fairseq under ``model.``) names -> attnmt's, shapes checked by the caller's load."""
-    from attnmt.interop.fairseq import layer_names
-
     out = {}
     for ours, theirs, parts in layer_names(fields):
         for suffix in ("weight", "bias"):
@@ -179,8 +182,6 @@ def _stored_positions(state: dict, fields: dict, weights: dict, path: Path) -> N
     """Where the weights hold position tables (FSMT's are parameters) that are not the sinusoids they started as,
     they are what the model was trained with: the model takes them as learned positions (fairseq's rows from
     index 2 on)."""
-    from attnmt.models.transformer import sinusoid_table
-
     tables = {side: state.get(f"model.{side}.embed_positions.weight") for side in ("encoder", "decoder")}
     if any(t is None for t in tables.values()):
         return
@@ -197,8 +198,6 @@ def _stored_positions(state: dict, fields: dict, weights: dict, path: Path) -> N
 
 def _marian(d: Path, cfg: dict, state: dict) -> tuple[dict, dict, dict]:
     """(model config fields, attnmt weights, data section fields) of a MarianMT directory."""
-    from attnmt.data.dictionary import Dictionary
-
     fields = _common_fields(cfg, d / "config.json")
     if cfg.get("normalize_before") or cfg.get("add_final_layer_norm") or cfg.get("normalize_embedding"):
         raise UserError(f"{d / 'config.json'}: a Marian model with extra LayerNorms (normalize_before, "
@@ -324,8 +323,6 @@ def _m2m100_symbols(d: Path, tok_cfg: dict) -> tuple[list[str], dict[str, str], 
 
 def _m2m100(d: Path, cfg: dict, state: dict) -> tuple[dict, dict, dict]:
     """(model config fields, attnmt weights, data section fields) of an M2M-100 or NLLB-200 directory."""
-    from attnmt.data.dictionary import Dictionary
-
     fields = _common_fields(cfg, d / "config.json")
     fields.update(encoder_normalize_before=True, decoder_normalize_before=True, sinusoid_style="fairseq")
     v = int(cfg["vocab_size"])
@@ -373,8 +370,6 @@ def _m2m100(d: Path, cfg: dict, state: dict) -> tuple[dict, dict, dict]:
 def _fsmt(d: Path, cfg: dict, state: dict) -> tuple[dict, dict, dict]:
     """(model config fields, attnmt weights, data section fields) of an FSMT directory (fairseq's WMT'19 models:
     post-norm, fairseq's sinusoids, separate vocabularies, Moses and BPE codes with an end-of-word marker)."""
-    from attnmt.data.dictionary import Dictionary
-
     fields = _common_fields(cfg, d / "config.json")
     fields["sinusoid_style"] = "fairseq"
     src_v, tgt_v = int(cfg["src_vocab_size"]), int(cfg["tgt_vocab_size"])
@@ -408,7 +403,6 @@ def _fsmt(d: Path, cfg: dict, state: dict) -> tuple[dict, dict, dict]:
     merges = d / "merges.txt"
     if not merges.is_file():
         raise UserError(f"{merges}: not found; the BPE merges are one of the tokenizer files")
-    from attnmt.data.subword import FastBPE
 
     FastBPE(merges.read_bytes(), str(merges))  # a clear error for a file that is not one
     joint = src_dict.checksum() == tgt_dict.checksum()
@@ -427,10 +421,6 @@ def import_model(model_dir: str | os.PathLike, source_lang: str | None = None,
                  target_lang: str | None = None) -> dict:
     """An attnmt checkpoint (inference- and ``--finetune-from``-ready) holding the Hugging Face model in
     ``model_dir`` with its vocabularies and SentencePiece models."""
-    from attnmt import checkpoint, registry
-    from attnmt.config import make_config, to_dict
-    from attnmt.models.interface import build_model
-
     d = Path(model_dir)
     cfg = read_config(d)
     state = read_weights(d)

@@ -11,8 +11,15 @@ import os
 
 import torch
 
+from attnmt.checkpoint import DataSection
+from attnmt.data.dictionary import Dictionary
 from attnmt.errors import UserError
 from attnmt.fileio import write_directory
+from attnmt.generation.beam import beam_search
+from attnmt.generation.search import SearchConfig
+from attnmt.inference import load_for_inference
+from attnmt.interop.fairseq import layer_names
+from attnmt.models.transformer import sinusoid_table
 
 
 def _residual_order(cfg: dict) -> torch.Tensor:
@@ -39,9 +46,6 @@ def export_marian(ckpt: dict, output_dir: str | os.PathLike, force: bool = False
         from safetensors.torch import save_file
     except ImportError:
         raise UserError("attnmt export --to huggingface writes safetensors: pip install 'attnmt[hf]'") from None
-    from attnmt.checkpoint import DataSection
-    from attnmt.data.dictionary import Dictionary
-    from attnmt.interop.fairseq import layer_names
 
     if ckpt.get("model_name") != "transformer":
         raise UserError(f"only the transformer model can be exported, not {ckpt.get('model_name')!r}")
@@ -101,7 +105,6 @@ def export_marian(ckpt: dict, output_dir: str | os.PathLike, force: bool = False
             for part, piece in zip(parts, t.chunk(max(len(parts), 1), dim=0)):
                 out[f"model.{theirs}.{part}.{suffix}"] = piece.contiguous()
     # the sinusoids (transformers computes them again on load)
-    from attnmt.models.transformer import sinusoid_table
 
     positions = max(cfg["max_source_positions"], cfg["max_target_positions"])
     table = sinusoid_table(positions, cfg["encoder_embed_dim"], "halves")
@@ -152,9 +155,6 @@ def check(path: str | os.PathLike, output_dir: str | os.PathLike, lines: list[st
     except ImportError:
         raise UserError("--check --to huggingface runs the exported model with transformers: pip install "
                         "transformers") from None
-    from attnmt.generation.beam import beam_search
-    from attnmt.generation.search import SearchConfig
-    from attnmt.inference import load_for_inference
 
     bundle = load_for_inference(path)
     model = MarianMTModel.from_pretrained(str(output_dir)).eval()

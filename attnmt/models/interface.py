@@ -18,8 +18,10 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from attnmt.errors import UserError
 from attnmt.models.kernels import DecodingKernels
 from attnmt.models.paths import AttentionPath, cached_output, heads_for_cache, kv_for_cache
+from attnmt.registry import get
 
 
 class LayerCache(AttentionPath):
@@ -192,9 +194,6 @@ def unwrap(model: nn.Module) -> EncoderDecoderModel:
 def build_model(name: str, cfg: Any, src_vocab: int, tgt_vocab: int, pad_idx: int, *,
                 joint_vocab: bool) -> EncoderDecoderModel:
     """The registered model ``name`` built from ``cfg`` (what training and inference both call)."""
-    from attnmt.errors import UserError
-    from attnmt.registry import get
-
     cls = get("model", name).obj
     if not (isinstance(cls, type) and issubclass(cls, EncoderDecoderModel)):
         raise UserError(f"model '{name}' ({cls!r}) does not subclass attnmt.models.interface.EncoderDecoderModel; "

@@ -16,6 +16,9 @@ import torch
 
 from attnmt.checkpoint import DataSection
 from attnmt.config import fields_of
+from attnmt.criterions import build_criterion
+from attnmt.data.dictionary import Dictionary
+from attnmt.data.indexed import IndexedDataset, exists, pair_prefix
 from attnmt.data.meta import DataBinInfo
 from attnmt.data.pairs import LanguagePairDataset
 from attnmt.errors import UserError
@@ -39,8 +42,6 @@ class TranslationTask:
     """Sentence-level translation from a binarized parallel corpus (DATA_BIN written by attnmt preprocess)."""
 
     def __init__(self, cfg: TranslationConfig, data_bin: str | Path):
-        from attnmt.data.dictionary import Dictionary
-
         self.cfg = cfg
         self.data_bin = Path(data_bin)
         if not self.data_bin.is_dir():
@@ -94,14 +95,10 @@ class TranslationTask:
 
     def split_prefix(self, split: str, lang: str) -> Path:
         """The ``lang`` side of ``split`` (written as this pair, or as the reverse pair)."""
-        from attnmt.data.indexed import pair_prefix
-
         return Path(f"{pair_prefix(self.data_bin, split, self.src_lang, self.tgt_lang)}.{lang}")
 
     def dataset(self, split: str, pad_to_multiple: int = 1) -> LanguagePairDataset:
         """The binarized ``split`` as (source, target) pairs; batches padded to a multiple of ``pad_to_multiple``."""
-        from attnmt.data.indexed import IndexedDataset, exists
-
         prefixes = [self.split_prefix(split, lang) for lang in (self.src_lang, self.tgt_lang)]
         for p in prefixes:
             if not exists(str(p)):
@@ -174,6 +171,4 @@ class TranslationTask:
                            joint_vocab=self.joint_dictionary)
 
     def build_criterion(self, name: str, cfg):
-        from attnmt.criterions import build_criterion
-
         return build_criterion(name, cfg, self.tgt_dict.pad())

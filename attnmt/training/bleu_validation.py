@@ -22,6 +22,10 @@ import time
 
 import torch
 
+from attnmt.data.subword import build_tokenizer
+from attnmt.generation.generator import Generator
+from attnmt.generation.search import SearchConfig, Symbols
+from attnmt.scoring import corpus_bleu
 from attnmt.training import distributed
 
 
@@ -29,8 +33,6 @@ class BleuValidator:
     """Beam-search the validation sources and return corpus BLEU against the validation targets."""
 
     def __init__(self, task, cfg, backend):
-        from attnmt.generation.search import SearchConfig, Symbols
-
         self.task = task
         # the run's backend; fp16 training validates in fp32
         self.backend = backend if backend.precision != "fp16" else backend.with_precision("fp32")
@@ -45,8 +47,6 @@ class BleuValidator:
             self.tgt_pipeline = self.tgt_pipeline.removing_markers(cfg.eval_bleu_remove_bpe)
         self.detok = None
         if cfg.eval_bleu_detok == "moses":
-            from attnmt.data.subword import build_tokenizer
-
             self.detok = build_tokenizer("moses", task.tgt_lang)
         self.tokenize = "none" if cfg.eval_tokenized_bleu else "13a"
         self.print_samples = cfg.eval_bleu_print_samples
@@ -63,9 +63,6 @@ class BleuValidator:
         return self.detok.decode(text) if self.detok is not None else text
 
     def __call__(self, model: torch.nn.Module) -> dict:
-        from attnmt.generation.generator import Generator
-        from attnmt.scoring import corpus_bleu
-
         t0 = time.perf_counter()
         was_training = model.training
         model.eval()

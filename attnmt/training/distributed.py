@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import inspect
 import json
 import os
 import re
 import signal
 import socket
+import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -38,6 +41,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 
 from attnmt.backends.base import Backend
 from attnmt.errors import UserError
@@ -92,8 +96,6 @@ def slurm_environ(port: int, environ=None, hostnames=None) -> dict[str, str]:
         raise UserError("--distributed-port: SLURM_PROCID is set but SLURM_JOB_NODELIST is not; run the tasks with "
                         "srun inside an allocation")
     if hostnames is None:
-        import subprocess
-
         try:
             hostnames = subprocess.run(["scontrol", "show", "hostnames", nodelist], check=True, capture_output=True,
                                        text=True).stdout.split()
@@ -159,20 +161,14 @@ def choose_backend(backend: Backend, requested: str = "auto") -> str:
 
 
 def is_initialized() -> bool:
-    import torch.distributed as dist
-
     return dist.is_available() and dist.is_initialized()
 
 
 def world_size() -> int:
-    import torch.distributed as dist
-
     return dist.get_world_size() if is_initialized() else 1
 
 
 def rank() -> int:
-    import torch.distributed as dist
-
     return dist.get_rank() if is_initialized() else 0
 
 
@@ -226,8 +222,6 @@ def init(env: Env, run_backend: Backend, cfg: DistributedConfig) -> Peers:
     ``cfg.ddp_timeout`` becomes the timeout of every collective: with gloo a collective that waits longer
     raises; with NCCL the watchdog aborts the process (and torchrun stops the others).
     """
-    import torch.distributed as dist
-
     if not dist.is_available():
         raise UserError("this PyTorch build has no torch.distributed; install a standard build to train on "
                         "several processes")
@@ -243,8 +237,6 @@ def init(env: Env, run_backend: Backend, cfg: DistributedConfig) -> Peers:
             if key not in os.environ:
                 raise UserError(f"WORLD_SIZE={env.world_size} but {key} is not set; launch with torchrun "
                                 f"(or attnmt train --nproc-per-node N), which sets the rendezvous")
-        import inspect
-
         kwargs = {}
         if backend == "nccl" and "device_id" in inspect.signature(dist.init_process_group).parameters:
             kwargs["device_id"] = device  # binds this process's communicator to its GPU (torch >= 2.3)
@@ -278,8 +270,6 @@ def shutdown() -> None:
     right after a backward pass. So the process sleeps briefly here, which lets such a thread take the GIL and
     finish. (The group's threads outlive destroy_process_group: DDP keeps the group alive, so they are not joined.)
     """
-    import torch.distributed as dist
-
     if is_initialized():
         with contextlib.suppress(Exception):  # a broken group cannot always be torn down cleanly
             dist.destroy_process_group()
@@ -305,8 +295,6 @@ def wrap(model: torch.nn.Module, backend: Backend) -> torch.nn.Module:
     backward ends. ``gradient_as_bucket_view``: the ``.grad`` tensors are views into the buckets, so gradients
     are not copied into the buckets and back (one copy of the gradients less in memory and in time).
     """
-    import inspect
-
     from torch.nn.parallel import DistributedDataParallel
 
     params = inspect.signature(DistributedDataParallel.__init__).parameters
@@ -329,8 +317,6 @@ def max_over_ranks(values: list[float], device: torch.device) -> list[float]:
     must read alike where they decide something that has to agree (the learning rate)."""
     if world_size() == 1:
         return [float(v) for v in values]
-    import torch.distributed as dist
-
     t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
@@ -346,8 +332,6 @@ def check_peers(failure: str | None, device: torch.device) -> None:
         if failure:
             raise UserError(failure)
         return
-    import torch.distributed as dist
-
     t = torch.tensor([1 if failure else 0], dtype=torch.int32, device=device)
     dist.all_reduce(t)
     n = int(t.item())
@@ -362,8 +346,6 @@ def gather_to_master(obj) -> list | None:
     """Every rank's ``obj`` on rank 0 (a list in rank order), None elsewhere; ``[obj]`` in a single process."""
     if world_size() == 1:
         return [obj]
-    import torch.distributed as dist
-
     out = [None] * world_size() if rank() == 0 else None
     dist.gather_object(obj, out, dst=0)
     return out
@@ -373,8 +355,6 @@ def all_gather(obj) -> list:
     """Every rank's ``obj`` on every rank, in rank order."""
     if world_size() == 1:
         return [obj]
-    import torch.distributed as dist
-
     out: list = [None] * world_size()
     dist.all_gather_object(out, obj)
     return out
@@ -407,8 +387,6 @@ class Preemption:
         self.received = signum
 
     def __enter__(self) -> Preemption:
-        import threading
-
         if threading.current_thread() is threading.main_thread():
             for s in self.signals:
                 self._old[s] = signal.signal(s, self._handle)
@@ -437,8 +415,6 @@ _COLLECTIVE_HINTS = ("gloo", "nccl", "connection closed", "connection reset", "t
 
 
 def _is_collective_error(e: BaseException) -> bool:
-    import torch.distributed as dist
-
     dist_error = getattr(dist, "DistError", None)
     if dist_error is not None and isinstance(e, dist_error):
         return True

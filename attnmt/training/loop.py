@@ -31,7 +31,7 @@ from attnmt import checkpoint
 from attnmt.backends import Backend, backend_for, resolve_precision, set_threads, training_device
 from attnmt.checkpoint import resume as ckpts
 from attnmt.checkpoint.saver import CheckpointSaver
-from attnmt.config import to_dict
+from attnmt.config import make_config, to_dict
 from attnmt.data.batching import Skipped
 from attnmt.errors import UserError
 from attnmt.fileio import check_output_dir, check_output_file, exclusive
@@ -39,6 +39,7 @@ from attnmt.optim import build_lr_scheduler, build_optimizer
 from attnmt.progress import RunLog, fmt_number, hms
 from attnmt.registry import get
 from attnmt.training import decisions, distributed
+from attnmt.training.bleu_validation import BleuValidator
 from attnmt.training.config import Setup, TrainConfig
 from attnmt.training.data import chunks, make_train_iterator, make_valid_batches, seed_everything
 from attnmt.training.metrics import Best, Meter, log_train, validate
@@ -122,7 +123,6 @@ class TrainingRun:
         cfg, setup, backend = self.cfg, self.setup, self.backend
         self.task = get("task", setup.task).obj(setup.task_cfg, data_bin)
         if setup.base_model is not None:  # --finetune-from without --arch: the checkpoint's architecture
-            from attnmt.config import make_config
 
             name, base = setup.base_model
             self.model_name, self.notes = name, [f"the architecture of --finetune-from {cfg.finetune_from}"]
@@ -159,8 +159,6 @@ class TrainingRun:
         if extra_validators is None:
             extra_validators = []
             if self.cfg.eval_bleu and not self.cfg.disable_validation:
-                from attnmt.training.bleu_validation import BleuValidator
-
                 extra_validators.append(BleuValidator(self.task, self.cfg, self.backend))
         self.extra_validators = extra_validators
 
