@@ -12,7 +12,8 @@ nothing else (``attnmt score`` starts without PyTorch).
 ``ATTNMT_CPU_MALLOC``      ``default``: leave glibc's allocator settings as they are (``cpu_malloc``)
 ``ATTNMT_CPU_ONEDNN_FP32`` ``1`` / ``0``: fp32 training layers from oneDNN or not, whatever the CPU
                            (``cpu_onednn_fp32``; unset: the backend's choice by vendor)
-``ATTNMT_CUDA_GRAPHS=1``   beam steps replayed as CUDA graphs (``cuda_graphs``)
+``ATTNMT_CUDA_GRAPHS=0``   beam steps on a GPU launched kernel by kernel, not replayed as CUDA graphs
+                           (``cuda_graphs``)
 ``ATTNMT_KERNEL_BUILD_TIMEOUT`` seconds a kernel build may take (``kernel_build_timeout``, default 120)
 ``ATTNMT_CACHE_DIR``       compiled kernels and imported checkpoints (``cache_dir``; else
                            ``$XDG_CACHE_HOME/attnmt``, else ``~/.cache/attnmt``)
@@ -48,7 +49,7 @@ class Settings:
     cpu_kernels: bool = True
     cpu_malloc: str = ""
     cpu_onednn_fp32: str = ""
-    cuda_graphs: bool = False
+    cuda_graphs: bool = True
     kernel_build_timeout: float = DEFAULT_BUILD_TIMEOUT
     cache_dir: Path | None = None  # None: the default place (``cache_dir()`` of the module)
     user_dirs: tuple[str, ...] = ()
@@ -61,7 +62,7 @@ class Settings:
                    cpu_kernels=env.get(CPU_KERNELS, "").strip() != "0",
                    cpu_malloc=env.get(CPU_MALLOC, "").strip(),
                    cpu_onednn_fp32=env.get(CPU_ONEDNN_FP32, "").strip(),
-                   cuda_graphs=env.get(CUDA_GRAPHS, "").strip() == "1",
+                   cuda_graphs=env.get(CUDA_GRAPHS, "").strip() != "0",
                    kernel_build_timeout=_seconds(env.get(KERNEL_BUILD_TIMEOUT, "")),
                    cache_dir=Path(env[CACHE_DIR]) if env.get(CACHE_DIR) else None,
                    user_dirs=tuple(p for p in raw_dirs.split(os.pathsep) if p))

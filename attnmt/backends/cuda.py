@@ -28,10 +28,10 @@ What it decides, once per run:
   scores in fp32, attends over the decoder cache with one fused kernel (``scaled_dot_product_attention``)
   and picks the best extensions with one ``topk`` over ``beam x vocabulary`` (the GPU's own kernel), not with
   the CPU's blockwise scan over bf16 bit patterns (:meth:`decoding_kernels`), all of a batch's rows in one
-  block (each block of a step costs its own few dozen launches). With ``ATTNMT_CUDA_GRAPHS=1`` beam search keeps
-  every decoder shape fixed for a batch (``models/static_cache.py``) and runs each step as one CUDA graph,
-  captured once per buffer size: a step costs one launch instead of a few dozen, which is what bounds translation
-  on a GPU (:class:`CudaGraphSteps`; not yet the default: it becomes so once measured against the launches on a GPU).
+  block (each block of a step costs its own few dozen launches). Beam search keeps every decoder shape fixed for
+  a batch (``models/static_cache.py``) and runs each step as one CUDA graph, captured once per buffer size: a step
+  costs one launch instead of a few dozen, which is what bounds translation on a GPU (:class:`CudaGraphSteps`;
+  ``ATTNMT_CUDA_GRAPHS=0`` launches the kernels one by one; docs/experiments.md has both measured).
   Batches default to 16,000 source tokens per
   20 GiB of GPU memory, up to 64,000 (:meth:`decoding_max_tokens`).
 * **Checkpoint snapshots** go to page-locked host buffers, reused from save to save, so that copying the state
@@ -108,14 +108,19 @@ def _say_graphs_off(err: BaseException) -> None:
 
 class CudaGraphSteps(StepRecorder):
     """A fixed-shape cache's steps as CUDA graphs: each recorded step runs once on a side stream (allocations
-    and library handles made before the capture, as CUDA graphs need), then is captured into a graph of this
-    recorder's memory pool and replayed from then on. A step that cannot be captured runs eagerly from then on
-    (said once)."""
+    and library handles made before the capture, as CUDA graphs need), then is captured into a graph and replayed
+    from then on. A step that cannot be captured runs eagerly from then on (said once).
+
+    Each capture gets a memory pool of its own. A pool shared by the captures would die with the last graph
+    captured into it: the cache drops a buffer size's graph before it records the next size, and PyTorch's
+    allocator refuses to capture into a pool whose graphs are all gone (an internal assertion, seen on an H200
+    with torch 2.11: every step after the first growth ran eagerly). One step's pool is small, and it is freed
+    with its graph."""
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self.failed = False
-        self._pool = None
+        self.captures = 0  # graphs captured
         self._stream = None  # the side stream of the warm-up runs and the captures
 
     def record(self, step):
@@ -130,17 +135,16 @@ class CudaGraphSteps(StepRecorder):
             step()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         try:
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             # the capture itself, without torch.cuda.graph's collection and cache emptying at each capture;
             # thread-local, so that another thread's CUDA work (a service's) does not break it
             with torch.cuda.stream(stream):
-                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                graph.capture_begin(capture_error_mode="thread_local")
                 try:
                     step()  # recorded, not run: the step is idempotent, its results stand
                 finally:
                     graph.capture_end()
+            self.captures += 1
             return graph.replay
         except Exception as err:  # a step that cannot be captured runs eagerly, said once
             self.failed = True

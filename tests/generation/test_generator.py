@@ -136,6 +136,8 @@ def test_the_gpus_decoding_kernels_give_the_cpus_translations(ckpt, beam):
     gpu = CudaBackend(torch.device("cuda")).decoding_kernels()
     assert not gpu.blockwise_topk and not gpu.low_precision_scores and gpu.row_bucket is None and gpu.fused_attention
     assert gpu.score_rows > 10000  # a whole batch scored at once
+    assert gpu.step_graphs is not None  # CUDA graphs need a GPU: their cache runs eagerly below (EagerSteps)
+    gpu = dataclasses.replace(gpu, step_graphs=None)
     assert Backend(torch.device("meta")).decoding_kernels() == dataclasses.replace(gpu, fused_attention=False,
                                                                                    score_rows=256)
     bundle, gen = _load(ckpt, beam=beam, nbest=beam, lenpen=0.6)
@@ -152,7 +154,7 @@ def test_the_gpus_decoding_kernels_give_the_cpus_translations(ckpt, beam):
 
 
 def test_the_static_cache_grows_drops_sentences_and_gives_the_slot_caches_translations(ckpt, monkeypatch):
-    """The fixed-shape cache a GPU replays as CUDA graphs (``ATTNMT_CUDA_GRAPHS=1``), run eagerly: its buffers
+    """The fixed-shape cache a GPU replays as CUDA graphs (the CUDA default), run eagerly: its buffers
     grow (16 positions, then doubled), sentences leave the search at different steps, their rows are dropped when
     the buffers grow, and every hypothesis and score is the slot cache's (fp32)."""
     import dataclasses
@@ -164,10 +166,11 @@ def test_the_static_cache_grows_drops_sentences_and_gives_the_slot_caches_transl
 
     bundle, gen = _load(ckpt, beam=4, nbest=2, max_len_b=40)
     tokens, lengths = collate(bundle.encode_sources(SENTENCES), bundle.symbols.pad, torch.device("cpu"))
-    assert CudaBackend(torch.device("cuda")).decoding_kernels().step_graphs is None  # not yet the default
-    monkeypatch.setenv("ATTNMT_CUDA_GRAPHS", "1")
+    monkeypatch.setenv("ATTNMT_CUDA_GRAPHS", "0")
+    assert CudaBackend(torch.device("cuda")).decoding_kernels().step_graphs is None  # kernels launched one by one
+    monkeypatch.delenv("ATTNMT_CUDA_GRAPHS")
     gpu = CudaBackend(torch.device("cuda")).decoding_kernels()
-    assert gpu.step_graphs is not None
+    assert gpu.step_graphs is not None  # the default
     gpu = dataclasses.replace(gpu, step_graphs=EagerSteps)  # no CUDA here: the steps run as they are
     calls = []
     run = StaticCache.run
